@@ -1,0 +1,102 @@
+"""Split long jobs into batches read from inline lists, sequences, files and HTTP APIs.
+
+Typical use::
+
+    source = open_source(validate_spec(spec))
+    cursor = source.initial_cursor()
+    while cursor is not None:
+        batch = source.read_batch(cursor, max_items=100, max_bytes=256_000)
+        handle(batch.items)
+        cursor = batch.end_cursor
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import requests
+
+from chunker.batching import Batch
+from chunker.cursors import validate_cursor
+from chunker.errors import ChunkerError, SourceReadError, SourceSpecError
+from chunker.files import CsvSource, JsonlSource, validate_file_spec
+from chunker.http_api import HttpJsonSource, validate_http_json
+from chunker.inline import InlineSource, SequenceSource, validate_inline, validate_sequence
+from chunker.source import Source
+from chunker.validation import Fields
+
+__all__ = [
+    "Batch",
+    "ChunkerError",
+    "Source",
+    "SourceReadError",
+    "SourceSpecError",
+    "open_source",
+    "validate_cursor",
+    "validate_spec",
+]
+
+_VALIDATORS: dict[str, Callable[[Fields], dict]] = {
+    "inline": validate_inline,
+    "sequence": validate_sequence,
+    "jsonl": lambda f: validate_file_spec(f, "jsonl"),
+    "csv": lambda f: validate_file_spec(f, "csv"),
+    "http_json": validate_http_json,
+}
+
+
+def _validate(spec: Any, *, require_items: bool) -> dict:
+    f = Fields(spec, "source spec")
+    source_type = f.get_str("type")
+    if source_type not in _VALIDATORS:
+        f.fail("type", f"must be one of {', '.join(_VALIDATORS)}, got {source_type!r}")
+    if source_type == "inline":
+        return validate_inline(f, require_items=require_items)
+    return _VALIDATORS[source_type](f)
+
+
+def validate_spec(spec: dict) -> dict:
+    """Checks a source spec without reading any data and returns a normalised copy.
+
+    Inline items are not copied: the returned spec shares the "items" list.
+
+    Raises:
+        SourceSpecError: If the spec is invalid; the message names the offending field.
+    """
+    return _validate(spec, require_items=True)
+
+
+def open_source(
+    spec: dict,
+    *,
+    session: requests.Session | None = None,
+    timeout_s: float = 30.0,
+    inline_items: Sequence | None = None,
+) -> Source:
+    """Validates spec and returns a Source for it; performs no I/O.
+
+    Args:
+        spec: Source spec (see validate_spec).
+        session: requests session for URL sources; a new one is made when needed if None.
+        timeout_s: Connect and read timeout for each HTTP request, in seconds.
+        inline_items: For inline sources, any object supporting len() and obj[a:b];
+            overrides spec["items"] (which may then be omitted).
+
+    Raises:
+        SourceSpecError: If spec or the arguments are invalid.
+    """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise SourceSpecError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    checked = _validate(spec, require_items=inline_items is None)
+    source_type = checked["type"]
+    if inline_items is not None and source_type != "inline":
+        raise SourceSpecError(f"inline_items can only be used with an inline source, not {source_type!r}")
+    if source_type == "inline":
+        return InlineSource(checked["items"] if inline_items is None else inline_items)
+    if source_type == "sequence":
+        return SequenceSource(checked["count"], checked["start"])
+    if source_type == "http_json":
+        return HttpJsonSource(checked, session, timeout_s)
+    file_source = JsonlSource if source_type == "jsonl" else CsvSource
+    return file_source(checked, session, timeout_s)

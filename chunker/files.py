@@ -1,0 +1,261 @@
+"""Line-oriented file sources (jsonl, csv) read from a local path or streamed over HTTP.
+
+Cursors are offset cursors carrying the byte position of the next record, so resuming
+seeks (local files) or sends a Range request (URLs) instead of re-reading the start.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from contextlib import closing
+from typing import Any, Iterable, Iterator, NamedTuple
+
+import requests
+
+from chunker.batching import Entry, ReadFailure
+from chunker.cursors import offset_cursor
+from chunker.errors import SourceReadError
+from chunker.httputil import display_url, http_get, request_error
+from chunker.source import Source
+from chunker.validation import Fields
+
+_CHUNK_BYTES = 64 * 1024
+_BOM = b"\xef\xbb\xbf"
+_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-")
+
+
+def validate_file_spec(f: Fields, source_type: str) -> dict:
+    """Checks a jsonl/csv spec: exactly one of "path" or "url", plus csv options."""
+    allowed = {"type", "path", "url"} | ({"delimiter", "header"} if source_type == "csv" else set())
+    f.only(allowed)
+    if ("path" in f.data) == ("url" in f.data):
+        f.fail("path", "or 'url' must be given (exactly one of them)")
+    spec: dict[str, Any] = {"type": source_type}
+    if "path" in f.data:
+        spec["path"] = f.get_str("path")
+    else:
+        spec["url"] = f.get_url("url")
+    if source_type == "csv":
+        delimiter = f.get_str("delimiter", ",")
+        if len(delimiter) != 1 or delimiter in '\r\n"':
+            f.fail("delimiter", f"must be a single character other than a quote or newline, got {delimiter!r}")
+        spec["delimiter"] = delimiter
+        spec["header"] = f.get_bool("header", True)
+    return spec
+
+
+def _file_chunks(path: str, byte: int) -> Iterator[bytes]:
+    """Yields the bytes of a local file from position byte on."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(byte)
+            while chunk := fh.read(_CHUNK_BYTES):
+                yield chunk
+    except OSError as exc:
+        permanent = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+        reason = exc.strerror or type(exc).__name__
+        raise SourceReadError(f"cannot read {path}: {reason}", retryable=not isinstance(exc, permanent)) from None
+
+
+def _range_start(resp: requests.Response, url: str) -> int:
+    """Returns the first byte position of a 206 response."""
+    match = _CONTENT_RANGE.match(resp.headers.get("Content-Range", ""))
+    if not match:
+        raise SourceReadError(f"GET {display_url(url)}: 206 response without a valid Content-Range", retryable=False)
+    return int(match.group(1))
+
+
+def _http_chunks(session: requests.Session, url: str, byte: int, timeout_s: float) -> Iterator[bytes]:
+    """Streams the body of url from position byte on, using Range when the server honours it."""
+    headers = {"Accept-Encoding": "identity"}
+    if byte:
+        headers["Range"] = f"bytes={byte}-"
+    resp = http_get(session, url, timeout_s=timeout_s, headers=headers, stream=True, accept=(416,))
+    try:
+        if resp.status_code == 416:  # range starts at or past the end: nothing left
+            return
+        skip = byte - _range_start(resp, url) if resp.status_code == 206 else byte
+        if skip < 0:
+            raise SourceReadError(f"GET {display_url(url)}: server sent a range after byte {byte}", retryable=False)
+        for chunk in resp.iter_content(_CHUNK_BYTES):
+            if skip >= len(chunk):
+                skip -= len(chunk)
+                continue
+            yield chunk[skip:] if skip else chunk
+            skip = 0
+    except requests.RequestException as exc:
+        raise request_error(exc, url) from None
+    finally:
+        resp.close()
+
+
+def _split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """Yields lines including their b"\\n" terminator (the last line may lack one)."""
+    buf = bytearray()
+    with closing(chunks):
+        for chunk in chunks:
+            scan = len(buf)
+            buf += chunk
+            start = 0
+            while (nl := buf.find(b"\n", scan)) >= 0:
+                yield bytes(buf[start : nl + 1])
+                start = scan = nl + 1
+            del buf[:start]
+    if buf:
+        yield bytes(buf)
+
+
+class _Pos:
+    """Mutable read position: records passed, byte offset and physical lines passed."""
+
+    def __init__(self, offset: int, byte: int, line: int | None) -> None:
+        self.offset, self.byte, self.line = offset, byte, line
+
+    def advance(self, raw: bytes) -> tuple[bytes, str]:
+        """Moves past one physical line; returns its payload (BOM stripped) and its location."""
+        start, self.byte = self.byte, self.byte + len(raw)
+        where = f"byte {start}"
+        if self.line is not None:
+            self.line += 1
+            where = f"line {self.line} ({where})"
+        return (raw[len(_BOM) :] if start == 0 and raw.startswith(_BOM) else raw), where
+
+    def cursor(self) -> dict:
+        """Returns the cursor of the current position."""
+        return offset_cursor(self.offset, self.byte, self.line)
+
+
+def _resume(cursor: dict) -> tuple[_Pos, int]:
+    """Returns where to start reading and how many records to skip first."""
+    if "byte" in cursor:
+        return _Pos(cursor["offset"], cursor["byte"], cursor.get("line")), 0
+    return _Pos(0, 0, 0), cursor["offset"]  # no byte position: scan from the start
+
+
+class _FileSource(Source):
+    """Shared plumbing for jsonl and csv sources."""
+
+    def __init__(self, spec: dict, session: requests.Session | None, timeout_s: float) -> None:
+        self._path: str | None = spec.get("path")
+        self._url: str | None = spec.get("url")
+        self._where = self._path if self._path is not None else display_url(self._url or "")
+        self._session = session
+        self._timeout_s = timeout_s
+
+    def initial_cursor(self) -> dict:
+        """Returns the start of the file."""
+        return offset_cursor(0, 0, 0)
+
+    def _lines(self, byte: int) -> Iterator[bytes]:
+        if self._path is not None:
+            return _split_lines(_file_chunks(self._path, byte))
+        if self._session is None:
+            self._session = requests.Session()
+        return _split_lines(_http_chunks(self._session, self._url or "", byte, self._timeout_s))
+
+    def _failure(self, where: str, problem: str) -> ReadFailure:
+        return ReadFailure(SourceReadError(f"{self.source_type} {self._where}, {where}: {problem}", retryable=False))
+
+
+class JsonlSource(_FileSource):
+    """One JSON value per line; blank lines are skipped."""
+
+    source_type = "jsonl"
+
+    def _entries(self, cursor: dict, max_items: int) -> Iterator[Entry]:
+        pos, skip = _resume(cursor)
+        with closing(self._lines(pos.byte)) as lines:
+            for raw in lines:
+                payload, where = pos.advance(raw)
+                if not payload.strip():
+                    continue
+                pos.offset += 1
+                if pos.offset <= skip:
+                    continue
+                try:
+                    item = json.loads(payload)
+                except ValueError as exc:  # includes UnicodeDecodeError
+                    yield self._failure(where, f"invalid JSON: {exc}"), None
+                    return
+                yield item, pos.cursor()
+
+
+class _Header(NamedTuple):
+    names: list[str]
+    byte: int
+    line: int | None
+
+
+class CsvSource(_FileSource):
+    """CSV records as dicts (header row) or lists; quoted fields may contain newlines."""
+
+    source_type = "csv"
+
+    def __init__(self, spec: dict, session: requests.Session | None, timeout_s: float) -> None:
+        super().__init__(spec, session, timeout_s)
+        self._delimiter: str = spec["delimiter"]
+        self._has_header: bool = spec["header"]
+        self._header: _Header | None = None
+
+    def _rows(self, pos: _Pos) -> Iterator[tuple[list[str] | ReadFailure, str]]:
+        """Yields (row, location) for non-empty records from pos on, advancing pos."""
+        where = ""
+
+        def text_lines(lines: Iterable[bytes]) -> Iterator[str]:
+            nonlocal where
+            for raw in lines:
+                payload, line_where = pos.advance(raw)
+                where = where or line_where
+                yield payload.decode("utf-8")
+
+        with closing(self._lines(pos.byte)) as lines:
+            reader = csv.reader(text_lines(lines), delimiter=self._delimiter)
+            while True:
+                where = ""
+                try:
+                    row = next(reader)
+                except StopIteration:
+                    return
+                except (csv.Error, UnicodeDecodeError) as exc:
+                    yield self._failure(where, f"invalid CSV: {exc}"), where
+                    return
+                if row:
+                    yield row, where
+
+    def _take_header(self, rows: Iterator[tuple[Any, str]], pos: _Pos) -> _Header:
+        for row, where in rows:
+            if isinstance(row, ReadFailure):
+                raise row.error
+            if len(set(row)) != len(row):
+                raise self._failure(where, "header has duplicate column names").error
+            return _Header(row, pos.byte, pos.line)
+        return _Header([], pos.byte, pos.line)
+
+    def _entries(self, cursor: dict, max_items: int) -> Iterator[Entry]:
+        pos, skip = _resume(cursor)
+        if self._has_header and self._header is None and pos.byte > 0:
+            head = _Pos(0, 0, 0)
+            with closing(self._rows(head)) as head_rows:
+                self._header = self._take_header(head_rows, head)
+        if self._header is not None and pos.byte < self._header.byte:
+            pos.byte, pos.line = self._header.byte, self._header.line
+        with closing(self._rows(pos)) as rows:
+            if self._has_header and self._header is None:  # reading from byte 0: header comes first
+                self._header = self._take_header(rows, pos)
+            for row, where in rows:
+                if isinstance(row, ReadFailure):
+                    yield row, None
+                    return
+                pos.offset += 1
+                if pos.offset <= skip:
+                    continue
+                yield self._item(row, where), pos.cursor()
+
+    def _item(self, row: list[str], where: str) -> Any:
+        if self._header is None:
+            return row
+        if len(row) != len(self._header.names):
+            return self._failure(where, f"row has {len(row)} fields but the header has {len(self._header.names)}")
+        return dict(zip(self._header.names, row))

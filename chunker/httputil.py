@@ -1,0 +1,89 @@
+"""HTTP helpers: GET with error classification, and URLs that are safe to show."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
+from typing import Any, Mapping
+from urllib.parse import urlsplit, urlunsplit
+
+import requests
+
+from chunker.errors import SourceReadError
+
+
+def display_url(url: str) -> str:
+    """Returns url without credentials, query string or fragment (they may hold secrets)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def origin(url: str) -> tuple[str, str, int | None]:
+    """Returns (scheme, host, port) of url, with the default port made explicit."""
+    parts = urlsplit(url)
+    default = {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or "").lower(), parts.port or default
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """Parses a Retry-After header (delta-seconds or HTTP-date) into seconds from now."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value.strip()))
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
+
+
+def request_error(exc: requests.RequestException, url: str) -> SourceReadError:
+    """Converts a requests exception to SourceReadError without echoing the query string."""
+    transient = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
+    retryable = isinstance(exc, transient) and not isinstance(exc, requests.exceptions.SSLError)
+    reason = type(exc).__name__
+    inner = getattr(exc.args[0], "reason", exc.args[0]) if exc.args else None
+    if isinstance(inner, BaseException) and type(inner).__name__ != reason:
+        reason = f"{reason} ({type(inner).__name__})"
+    return SourceReadError(f"GET {display_url(url)} failed: {reason}", retryable=retryable)
+
+
+def http_get(
+    session: requests.Session,
+    url: str,
+    *,
+    timeout_s: float,
+    params: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+    stream: bool = False,
+    accept: tuple[int, ...] = (),
+) -> requests.Response:
+    """Sends a GET and returns the response if it is 2xx or its status is in accept.
+
+    Raises:
+        SourceReadError: retryable for connection errors, timeouts, 429 and 5xx (with
+            retry_after_s from Retry-After); not retryable for other statuses.
+    """
+    try:
+        resp = session.get(url, params=params, headers=headers, timeout=timeout_s, stream=stream)
+    except requests.RequestException as exc:
+        raise request_error(exc, url) from None
+    code = resp.status_code
+    if 200 <= code < 300 or code in accept:
+        return resp
+    resp.close()
+    retryable = code == 429 or code >= 500
+    retry_after = retry_after_seconds(resp.headers.get("Retry-After")) if retryable else None
+    raise SourceReadError(
+        f"GET {display_url(url)} returned HTTP {code}", retryable=retryable, retry_after_s=retry_after
+    )

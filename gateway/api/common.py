@@ -1,0 +1,76 @@
+"""Helpers every blueprint uses: JSON bodies, query integers, Idempotency-Key handling."""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Callable
+
+from flask import g, jsonify, request
+
+from gateway.app import request_services
+from gateway.errors import BatchgateError, InvalidRequest, MalformedBody
+from gateway.idempotency import fingerprint
+
+
+def json_body(required: bool = True) -> dict[str, Any]:
+    """The request body as a JSON object; {} for an empty optional body."""
+    raw = request.get_data(cache=True)
+    if not raw.strip():
+        if required:
+            raise MalformedBody("a JSON object body is required")
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MalformedBody(f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise MalformedBody("body must be a JSON object")
+    return body
+
+
+def query_int(name: str, default: int, lo: int, hi: int) -> int:
+    """An integer query parameter within [lo, hi]."""
+    raw = request.args.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidRequest(f"query parameter {name} must be an integer") from None
+    if not lo <= value <= hi:
+        raise InvalidRequest(f"query parameter {name} must be between {lo} and {hi}")
+    return value
+
+
+def idempotent(view: Callable[..., Any]) -> Callable[..., Any]:
+    """Honour an Idempotency-Key header: replay, 422 on another body, 409 while in flight."""
+
+    @functools.wraps(view)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        key = request.headers.get("Idempotency-Key")
+        if key is None:
+            return view(*args, **kwargs)
+        store = request_services().idempotency
+        fp = fingerprint(request.method, request.path, request.get_data(cache=True))
+        replay = store.begin(g.tenant, key, fp)
+        if replay is not None:
+            resp = jsonify(replay[1])
+            resp.status_code = replay[0]
+            resp.headers["Idempotent-Replayed"] = "true"
+            return resp
+        try:
+            body, status = view(*args, **kwargs)
+        except BatchgateError as exc:
+            if exc.status < 500 and exc.status != 409:
+                store.finish(g.tenant, key, exc.status, exc.problem())
+            else:
+                store.abandon(g.tenant, key)
+            raise
+        except Exception:
+            store.abandon(g.tenant, key)
+            raise
+        store.finish(g.tenant, key, status, body)
+        return jsonify(body), status
+
+    return wrapper

@@ -1,0 +1,45 @@
+"""Flow registry routes: register, list, show, retire."""
+
+from __future__ import annotations
+
+from flask import Blueprint, g, jsonify
+
+from gateway.api.common import json_body
+from gateway.app import request_services
+from gateway.flows import parse_flow
+
+bp = Blueprint("flows", __name__, url_prefix="/v1/flows")
+
+
+@bp.post("")
+def register():
+    """Register a flow version; 201 new, 200 identical, 409 same version with other content."""
+    flow = parse_flow(json_body())
+    record, created = request_services().flows.register(g.tenant, flow)
+    return jsonify(record), 201 if created else 200
+
+
+@bp.get("")
+def list_flows():
+    return jsonify({"flows": request_services().flows.list(g.tenant)})
+
+
+@bp.get("/<flow_id>")
+def show(flow_id: str):
+    """The latest version, and the list of all versions."""
+    flows = request_services().flows
+    latest = flows.get(g.tenant, flow_id)
+    versions = [f["flow"]["version"] for f in flows.list(g.tenant) if f["flow"]["id"] == flow_id]
+    return jsonify({**latest, "versions": versions})
+
+
+@bp.get("/<flow_id>/versions/<version>")
+def show_version(flow_id: str, version: str):
+    return jsonify(request_services().flows.get(g.tenant, flow_id, version))
+
+
+@bp.delete("/<flow_id>/versions/<version>")
+def retire(flow_id: str, version: str):
+    """Retire a version; jobs recorded on it can no longer resume."""
+    request_services().flows.delete(g.tenant, flow_id, version)
+    return "", 204

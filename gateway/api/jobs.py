@@ -1,0 +1,92 @@
+"""Job routes: create (idempotent), list, show, batches, log, pause/resume/cancel/retry-failed."""
+
+from __future__ import annotations
+
+import redis
+from flask import Blueprint, g, jsonify, request
+
+from gateway.api.common import idempotent, json_body, query_int
+from gateway.app import request_services
+from gateway.errors import InvalidRequest
+from gateway.jobs import JobRequest, ResumeRequest
+from gateway.validation import parse
+
+bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
+
+
+@bp.post("")
+@idempotent
+def create():
+    req = parse(JobRequest, json_body(), "job request")
+    return request_services().jobs.create(g.tenant, req), 201
+
+
+@bp.get("")
+def list_jobs():
+    limit = query_int("limit", 100, 1, 1000)
+    return jsonify({"jobs": request_services().jobs.list(g.tenant, request.args.get("status"), limit)})
+
+
+@bp.get("/<job_id>")
+def show(job_id: str):
+    return jsonify(request_services().jobs.view(g.tenant, job_id))
+
+
+@bp.get("/<job_id>/batches")
+def batches(job_id: str):
+    after = query_int("after", -1, -1, 2**53)
+    limit = query_int("limit", 100, 1, 1000)
+    found = request_services().jobs.batches(g.tenant, job_id, request.args.get("status"), after, limit)
+    return jsonify({"batches": found})
+
+
+@bp.get("/<job_id>/batches/<int:seq>")
+def batch(job_id: str, seq: int):
+    return jsonify(request_services().jobs.batch(g.tenant, job_id, seq))
+
+
+@bp.get("/<job_id>/log")
+def job_log(job_id: str):
+    """Execution log entries, oldest first, after stream id ``after``."""
+    services = request_services()
+    services.jobs.owned_spec(g.tenant, job_id)
+    after = request.args.get("after", "-")
+    limit = query_int("limit", 200, 1, 10_000)
+    start = "-" if after == "-" else f"({after}"
+    try:
+        entries = services.redis.xrange(services.ledger.keys.job(job_id).log, start, "+", count=limit)
+    except redis.ResponseError as exc:  # a malformed stream id from the caller
+        raise InvalidRequest("after must be a log entry id such as 1700000000000-0") from exc
+    return jsonify({"entries": [{"id": i, **fields} for i, fields in entries]})
+
+
+@bp.post("/<job_id>/pause")
+def pause(job_id: str):
+    services = request_services()
+    services.jobs.owned_spec(g.tenant, job_id)
+    services.ledger.set_status(job_id, "paused", ("running",), g.actor)
+    return jsonify(services.jobs.view(g.tenant, job_id))
+
+
+@bp.post("/<job_id>/cancel")
+def cancel(job_id: str):
+    services = request_services()
+    services.jobs.owned_spec(g.tenant, job_id)
+    services.ledger.set_status(job_id, "cancelled", ("running", "paused", "waiting_human", "failed"),
+                               g.actor)
+    return jsonify(services.jobs.view(g.tenant, job_id))
+
+
+@bp.post("/<job_id>/resume")
+def resume(job_id: str):
+    req = parse(ResumeRequest, json_body(required=False), "resume request")
+    return jsonify(request_services().jobs.resume(g.tenant, job_id, req, g.actor))
+
+
+@bp.post("/<job_id>/retry-failed")
+def retry_failed(job_id: str):
+    services = request_services()
+    spec = services.jobs.owned_spec(g.tenant, job_id)
+    services.jobs.check_flow_version(spec)
+    reopened = services.ledger.reopen(job_id, g.actor, only_failed=True)
+    return jsonify({**services.jobs.view(g.tenant, job_id), "reopened": reopened})

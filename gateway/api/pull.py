@@ -1,0 +1,95 @@
+"""Pull mode: a platform loop leases a batch, heartbeats, then completes or fails it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, g, jsonify
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.api.common import json_body
+from gateway.app import request_services
+from gateway.ledger import ABSENT
+from gateway.validation import parse
+
+bp = Blueprint("pull", __name__, url_prefix="/v1/jobs/<job_id>")
+
+
+class LeaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    stage: str | None = Field(default=None, description="lease only batches waiting for this stage")
+
+
+class HeartbeatRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lease_token: str = Field(min_length=1, max_length=200)
+    progress: Any = None
+    extend_s: float | None = Field(default=None, gt=0, le=86_400)
+
+
+class CompleteRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lease_token: str = Field(min_length=1, max_length=200)
+    output: Any = None
+    next_cursor: Any = ABSENT
+    items: list[Any] | None = None
+
+
+class FailureDetail(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    message: str = Field(min_length=1, max_length=2000)
+    retryable: bool = True
+    type: str | None = Field(default=None, max_length=200)
+
+
+class FailRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lease_token: str = Field(min_length=1, max_length=200)
+    error: FailureDetail
+
+
+@bp.post("/lease")
+def lease(job_id: str):
+    """200 with the batch envelope, or 204 (header Batchgate-Job-Status says why)."""
+    services = request_services()
+    services.jobs.owned_spec(g.tenant, job_id)
+    req = parse(LeaseRequest, json_body(required=False), "lease request")
+    leased = services.ledger.lease(job_id, req.stage)
+    if leased is None:
+        status = services.ledger.job_fields(job_id)["status"]
+        return "", 204, {"Batchgate-Job-Status": status}
+    return jsonify(leased.envelope())
+
+
+@bp.post("/batches/<int:seq>/heartbeat")
+def heartbeat(job_id: str, seq: int):
+    services = request_services()
+    services.jobs.owned_spec(g.tenant, job_id)
+    req = parse(HeartbeatRequest, json_body(), "heartbeat")
+    extend_ms = int(req.extend_s * 1000) if req.extend_s else None
+    progress = ABSENT if req.progress is None else req.progress
+    return jsonify(services.ledger.heartbeat(job_id, seq, req.lease_token, progress, extend_ms))
+
+
+@bp.post("/batches/<int:seq>/complete")
+def complete(job_id: str, seq: int):
+    """Commit the stage; an exact duplicate gets the first answer back, a stale token 409."""
+    services = request_services()
+    services.jobs.owned_spec(g.tenant, job_id)
+    req = parse(CompleteRequest, json_body(), "completion")
+    return jsonify(services.ledger.complete(job_id, seq, req.lease_token, req.output,
+                                            req.next_cursor, req.items))
+
+
+@bp.post("/batches/<int:seq>/fail")
+def fail(job_id: str, seq: int):
+    services = request_services()
+    services.jobs.owned_spec(g.tenant, job_id)
+    req = parse(FailRequest, json_body(), "failure report")
+    return jsonify(services.ledger.fail(job_id, seq, req.lease_token, req.error.message,
+                                        req.error.retryable, req.error.type, actor=g.actor))

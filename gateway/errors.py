@@ -1,0 +1,148 @@
+"""The error tree: one root, two branches that say what to do, leaves that name the cause."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+
+class BatchgateError(Exception):
+    """Root of every error batchgate raises on purpose."""
+
+    status = 500
+    title = "Internal error"
+    type_slug = "internal"
+
+    def __init__(self, detail: str = "", **extra: Any) -> None:
+        super().__init__(detail or self.title)
+        self.detail = detail or self.title
+        self.extra = extra
+
+    def problem(self) -> dict[str, Any]:
+        """The RFC 9457 problem document for this error."""
+        body = {
+            "type": f"https://batchgate.dev/problems/{self.type_slug}",
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+        }
+        body.update(self.extra)
+        return body
+
+
+class RetryableError(BatchgateError):
+    """Try again later; ``retry_after`` says when, if known."""
+
+    status = 503
+    title = "Temporarily unavailable"
+    type_slug = "retryable"
+
+    def __init__(self, detail: str = "", retry_after: timedelta | None = None, **extra: Any):
+        super().__init__(detail, **extra)
+        self.retry_after = retry_after
+
+
+class FatalError(BatchgateError):
+    """Do not retry: the request or the state must change first."""
+
+    status = 400
+    title = "Bad request"
+    type_slug = "bad-request"
+
+
+class InvalidRequest(FatalError):
+    """The request body, query or headers failed validation."""
+
+    status = 422
+    title = "Invalid request"
+    type_slug = "invalid-request"
+
+
+class MalformedBody(FatalError):
+    """The body is not JSON, or not the JSON object expected."""
+
+    status = 400
+    title = "Malformed body"
+    type_slug = "malformed-body"
+
+
+class BodyTooLarge(FatalError):
+    """The body exceeds the configured size limit."""
+
+    status = 413
+    title = "Body too large"
+    type_slug = "body-too-large"
+
+
+class Unauthorized(FatalError):
+    """No bearer token, or one batchgate does not know."""
+
+    status = 401
+    title = "Unauthorized"
+    type_slug = "unauthorized"
+
+
+class NotFound(FatalError):
+    """No such resource for this tenant."""
+
+    status = 404
+    title = "Not found"
+    type_slug = "not-found"
+
+
+class Conflict(FatalError):
+    """The resource's state does not allow the request."""
+
+    status = 409
+    title = "Conflict"
+    type_slug = "conflict"
+
+
+class StaleLease(Conflict):
+    """The lease token is not the batch's current one: another attempt owns it."""
+
+    title = "Stale lease"
+    type_slug = "stale-lease"
+
+
+class FlowConflict(Conflict):
+    """The same flow id and version is registered with other content."""
+
+    title = "Flow version already registered with other content"
+    type_slug = "flow-conflict"
+
+
+class FlowVersionMismatch(Conflict):
+    """The job's recorded flow hash no longer matches the registered definition."""
+
+    title = "Flow version mismatch"
+    type_slug = "flow-version-mismatch"
+
+
+class CorruptRecord(Conflict):
+    """A stored record failed its checksum; it is marked and will not run."""
+
+    title = "Corrupt record"
+    type_slug = "corrupt-record"
+
+
+class IdempotencyInFlight(Conflict):
+    """A request with this Idempotency-Key is still being processed."""
+
+    title = "Request with this Idempotency-Key is in flight"
+    type_slug = "idempotency-in-flight"
+
+
+class IdempotencyMismatch(FatalError):
+    """The Idempotency-Key was used before with another request body."""
+
+    status = 422
+    title = "Idempotency-Key reused with a different body"
+    type_slug = "idempotency-mismatch"
+
+
+class SourceUnavailable(RetryableError):
+    """The job's item source could not be read right now."""
+
+    title = "Source unavailable"
+    type_slug = "source-unavailable"

@@ -1,0 +1,233 @@
+"""Job service: create, view, control and resume jobs on top of the ledger and the flow registry."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+import chunker
+from gateway.errors import Conflict, CorruptRecord, FlowVersionMismatch, InvalidRequest, NotFound
+from gateway.flows import FlowRegistry, FlowSpec, validate_source
+from gateway.jobspec import JobSpec, initial_cursor, total_hint
+from gateway.ledger import ABSENT, Ledger
+from gateway.records import loads_or_none
+
+STATUSES = ("running", "paused", "waiting_human", "succeeded", "failed", "cancelled")
+BATCH_STATUSES = ("pending", "leased", "completed", "failed", "superseded")
+
+
+class JobRequest(BaseModel):
+    """Body of ``POST /v1/jobs``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    flow_id: str = Field(min_length=1, max_length=64)
+    flow_version: str | None = Field(default=None, max_length=64)
+    params: dict[str, Any] = Field(default_factory=dict)
+    source: dict[str, Any] | None = None
+
+
+class ResumeRequest(BaseModel):
+    """Body of ``POST /v1/jobs/<id>/resume`` (all optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cursor: Any = Field(default=ABSENT, description="re-plan from this cursor (rewind or skip)")
+    reason: str = Field(default="", max_length=500)
+
+
+def new_job_id() -> str:
+    """Time-ordered, unguessable job id."""
+    return f"job_{int(time.time() * 1000):011x}{secrets.token_hex(6)}"
+
+
+class JobService:
+    """The job operations the API and the CLI share."""
+
+    def __init__(self, ledger: Ledger, flows: FlowRegistry) -> None:
+        self.ledger = ledger
+        self.flows = flows
+
+    def create(self, tenant: str, req: JobRequest) -> dict[str, Any]:
+        """Create a job in constant time (inline items aside): nothing is read from the source."""
+        record = self.flows.get(tenant, req.flow_id, req.flow_version)
+        flow = FlowSpec.model_validate(record["flow"])
+        source = req.source if req.source is not None else flow.source
+        if source is None:
+            raise InvalidRequest("the flow defines no source; give one in the job's source field")
+        inline = source.get("items") if source.get("type") == "inline" else None
+        try:
+            source = validate_source(source, fetch_stage=flow.stages[0].fetches)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        if inline is not None:
+            source = {"type": "inline", "count": len(inline)}
+        spec = JobSpec(job_id=new_job_id(), tenant=tenant, flow=flow, flow_hash=record["hash"],
+                       source=source, params=req.params,
+                       total_hint=total_hint(source, len(inline) if inline is not None else None))
+        self.ledger.create_job(spec, initial_cursor(source, len(inline or ())), inline)
+        return self.view(tenant, spec.job_id)
+
+    def owned_spec(self, tenant: str, job_id: str) -> JobSpec:
+        """The job's spec if ``tenant`` owns it; NotFound otherwise (no hint that it exists)."""
+        if not job_id.startswith("job_") or len(job_id) > 64:
+            raise NotFound(f"job {job_id} not found")
+        spec = self.ledger.spec(job_id)
+        if spec.tenant != tenant:
+            raise NotFound(f"job {job_id} not found")
+        return spec
+
+    def view(self, tenant: str, job_id: str) -> dict[str, Any]:
+        """Status, committed cursor, batch counts, progress, rate and ETA."""
+        spec = self.owned_spec(tenant, job_id)
+        job = self.ledger.job_fields(job_id)
+        r = self.ledger.r
+        k = self.ledger.keys.job(job_id)
+        leased = r.zcard(k.leases)
+        done, total = int(job["items_done"]), spec.total_hint
+        created, updated = int(job["created_ms"]), int(job["updated_ms"])
+        elapsed_s = max((updated - created) / 1000, 1e-3)
+        rate = done / elapsed_s if done else 0.0
+        remaining = None if total is None else max(total - done, 0)
+        return {
+            "job_id": job_id,
+            "status": job["status"],
+            "corrupt": bool(job.get("corrupt")),
+            "flow": {"id": spec.flow.id, "version": spec.flow.version, "hash": spec.flow_hash},
+            "params": spec.params,
+            "stages": [s.name for s in spec.flow.stages],
+            "committed_cursor": loads_or_none(job["committed_cursor"]),
+            "committed_seq": int(job["wm"]) - 1,
+            "batches": {"planned": int(job["next_seq"]), "completed": int(job["n_done"]),
+                        "failed": int(job["n_failed"]), "open": int(job["n_open"]),
+                        "leased": leased},
+            "items_done": done,
+            "items_total": total,
+            "progress": None if not total else round(done / total, 4),
+            "rate_items_per_s": round(rate, 2),
+            "eta_s": None if remaining is None or not rate else round(remaining / rate, 1),
+            "source_exhausted": job["exhausted"] == "1",
+            "error": job.get("error") or None,
+            "created_ms": created,
+            "updated_ms": updated,
+            "finished_ms": int(job["finished_ms"]) if job.get("finished_ms") else None,
+        }
+
+    def list(self, tenant: str, status: str | None, limit: int) -> list[dict[str, Any]]:
+        """Newest first, optionally only jobs in ``status``."""
+        if status is not None and status not in STATUSES:
+            raise InvalidRequest(f"status must be one of {', '.join(STATUSES)}")
+        ids = self.ledger.r.zrevrange(self.ledger.keys.jobs(tenant), 0, -1)
+        out = []
+        for job_id in ids:
+            try:
+                view = self.view(tenant, job_id)
+            except (NotFound, CorruptRecord):
+                continue
+            if status is None or view["status"] == status:
+                out.append(view)
+            if len(out) >= limit:
+                break
+        return out
+
+    def batches(self, tenant: str, job_id: str, status: str | None, after: int,
+                limit: int) -> list[dict[str, Any]]:
+        """Batch summaries in seq order from ``after`` + 1, optionally filtered by status."""
+        if status is not None and status not in BATCH_STATUSES:
+            raise InvalidRequest(f"status must be one of {', '.join(BATCH_STATUSES)}")
+        spec = self.owned_spec(tenant, job_id)
+        k = self.ledger.keys.job(job_id)
+        planned = int(self.ledger.job_fields(job_id)["next_seq"])
+        out: list[dict[str, Any]] = []
+        start = after + 1
+        while start < planned and len(out) < limit:
+            seqs = range(start, min(start + 500, planned))
+            pipe = self.ledger.r.pipeline(transaction=False)
+            for seq in seqs:
+                pipe.hgetall(k.batch(seq))
+            for fields in pipe.execute():
+                if fields and (status is None or fields.get("status") == status):
+                    out.append(batch_view(spec, fields, full=False))
+                    if len(out) >= limit:
+                        break
+            start = seqs.stop
+        return out
+
+    def batch(self, tenant: str, job_id: str, seq: int) -> dict[str, Any]:
+        """One batch in full: cursors, stage statuses, outputs, errors."""
+        spec = self.owned_spec(tenant, job_id)
+        fields = self.ledger.r.hgetall(self.ledger.keys.job(job_id).batch(seq))
+        if not fields:
+            raise NotFound(f"job {job_id} has no batch {seq}")
+        return batch_view(spec, fields, full=True)
+
+    def resume(self, tenant: str, job_id: str, req: ResumeRequest, actor: str) -> dict[str, Any]:
+        """Resume on the recorded flow version only; re-open uncommitted batches or re-plan."""
+        spec = self.owned_spec(tenant, job_id)
+        self.check_flow_version(spec)
+        job = self.ledger.job_fields(job_id)
+        if job.get("corrupt"):
+            raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
+        result: dict[str, Any] = {"reopened": 0}
+        if req.cursor is not ABSENT:
+            self._check_cursor(spec, req.cursor)
+            result.update(self.ledger.replan(job_id, req.cursor, actor, req.reason))
+        elif job["status"] == "succeeded":
+            raise Conflict(f"job {job_id} has succeeded; name a cursor to run part of it again")
+        elif job["status"] == "paused":
+            self.ledger.set_status(job_id, "running", ("paused",), actor)
+        else:
+            result["reopened"] = self.ledger.reopen(job_id, actor)
+        return {**self.view(tenant, job_id), "resume": result}
+
+    def check_flow_version(self, spec: JobSpec) -> None:
+        """Refuse when the job's flow version is gone or its definition no longer hashes the same."""
+        try:
+            record = self.flows.get(spec.tenant, spec.flow.id, spec.flow.version)
+        except NotFound:
+            raise FlowVersionMismatch(
+                f"flow {spec.flow.id} version {spec.flow.version} is gone; the job recorded "
+                f"hash {spec.flow_hash}", recorded_hash=spec.flow_hash, current_hash=None) from None
+        current = record["content_hash"]
+        if record["hash"] != spec.flow_hash or current != spec.flow_hash:
+            raise FlowVersionMismatch(
+                f"flow {spec.flow.id} version {spec.flow.version} changed: the job recorded hash "
+                f"{spec.flow_hash}, the registry now holds {current}",
+                recorded_hash=spec.flow_hash, current_hash=current)
+
+    @staticmethod
+    def _check_cursor(spec: JobSpec, cursor: Any) -> None:
+        if spec.external:
+            return
+        try:
+            chunker.validate_cursor(cursor)
+        except chunker.SourceSpecError as exc:
+            raise InvalidRequest(f"cursor: {exc}") from exc
+
+
+def batch_view(spec: JobSpec, fields: dict[str, str], full: bool) -> dict[str, Any]:
+    """Public JSON for one batch."""
+    names = [s.name for s in spec.flow.stages]
+    stage = int(fields.get("stage") or 0)
+    view: dict[str, Any] = {
+        "seq": int(fields["seq"]),
+        "status": "corrupt" if fields.get("corrupt") else fields.get("status"),
+        "stage": names[stage] if stage < len(names) else None,
+        "attempt": int(fields.get("attempt") or 0),
+        "cursor": loads_or_none(fields.get("start_cursor")),
+        "end_cursor": loads_or_none(fields.get("end_cursor")),
+        "items": int(fields.get("n_items") or 0),
+        "error": fields.get("error") or None,
+    }
+    if full:
+        view["stages"] = {
+            name: {"status": fields.get(f"st:{i}", "pending"),
+                   "output": loads_or_none(fields.get(f"out:{i}"))}
+            for i, name in enumerate(names)}
+        view["progress"] = loads_or_none(fields.get("progress"))
+        deadline = fields.get("deadline_ms")
+        view["lease_deadline_ms"] = int(deadline) if deadline else None
+    return view

@@ -1,0 +1,120 @@
+"""Every Redis key batchgate uses is built here, from one prefix, with ``:`` as the only separator.
+
+All keys of one job share the hash tag ``{<job_id>}`` so every Lua script touches one slot.
+
+Per job (owner: the ledger scripts; expiry: retention, see ``Ledger.apply_retention``):
+
+=============================  ======  =====================================================
+``<p>:{<job>}:job``            hash    mutable job state, sealed with a checksum
+``<p>:{<job>}:spec``           hash    frozen flow definition + source + params, checksummed
+``<p>:{<job>}:src``            list    inline source items (only for ``inline`` sources)
+``<p>:{<job>}:batch:<seq>``    hash    one batch: cursors, stage, attempt, lease, outputs
+``<p>:{<job>}:items:<seq>``    string  JSON list of the batch's items; deleted once committed
+``<p>:{<job>}:ready:<stage>``  zset    batches waiting for ``stage``; score = ready-at (ms)
+``<p>:{<job>}:leases``         zset    leased batches; score = lease deadline (ms)
+``<p>:{<job>}:done``           hash    seq -> end cursor of completed batches above the watermark
+``<p>:{<job>}:failed``         zset    permanently failed batches; score = seq
+``<p>:{<job>}:log``            stream  execution log, capped (``log_maxlen``)
+``<p>:{<job>}:recover``        string  supervisor recovery claim, short TTL
+=============================  ======  =====================================================
+
+Global (updated outside scripts, idempotently; rebuildable from the job keys):
+
+===================================  ======  ===============================================
+``<p>:flow:<tenant>:<id>:<version>``  hash    a registered flow version (definition, hash)
+``<p>:flows:<tenant>``                zset    ``<id>:<version>`` by registration time
+``<p>:jobs:<tenant>``                 zset    job ids by creation time (ms)
+``<p>:active``                        set     job ids the supervisor watches
+``<p>:idem:<tenant>:<sha256>``        hash    Idempotency-Key record; TTL ``idempotency_ttl``
+``<p>:idemclaim:<tenant>:<sha256>``   string  first claim of that key (request fingerprint)
+===================================  ======  ===============================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    """Key names of one job."""
+
+    prefix: str
+    job_id: str
+
+    @property
+    def _base(self) -> str:
+        return f"{self.prefix}:{{{self.job_id}}}"
+
+    @property
+    def job(self) -> str:
+        return f"{self._base}:job"
+
+    @property
+    def spec(self) -> str:
+        return f"{self._base}:spec"
+
+    @property
+    def src(self) -> str:
+        return f"{self._base}:src"
+
+    @property
+    def leases(self) -> str:
+        return f"{self._base}:leases"
+
+    @property
+    def done(self) -> str:
+        return f"{self._base}:done"
+
+    @property
+    def failed(self) -> str:
+        return f"{self._base}:failed"
+
+    @property
+    def log(self) -> str:
+        return f"{self._base}:log"
+
+    @property
+    def recover(self) -> str:
+        return f"{self._base}:recover"
+
+    def batch(self, seq: int) -> str:
+        return f"{self._base}:batch:{seq}"
+
+    def items(self, seq: int) -> str:
+        return f"{self._base}:items:{seq}"
+
+    def ready(self, stage: int) -> str:
+        return f"{self._base}:ready:{stage}"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key builder for one prefix."""
+
+    prefix: str
+
+    def job(self, job_id: str) -> JobKeys:
+        return JobKeys(self.prefix, job_id)
+
+    def flow(self, tenant: str, flow_id: str, version: str) -> str:
+        return f"{self.prefix}:flow:{tenant}:{flow_id}:{version}"
+
+    def flows(self, tenant: str) -> str:
+        return f"{self.prefix}:flows:{tenant}"
+
+    def jobs(self, tenant: str) -> str:
+        return f"{self.prefix}:jobs:{tenant}"
+
+    @property
+    def active(self) -> str:
+        return f"{self.prefix}:active"
+
+    def idempotency(self, tenant: str, key: str) -> str:
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        return f"{self.prefix}:idem:{tenant}:{digest}"
+
+    def idempotency_claim(self, tenant: str, key: str) -> str:
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        return f"{self.prefix}:idemclaim:{tenant}:{digest}"

@@ -1,0 +1,440 @@
+"""The batch ledger: every fact about a job lives in Redis and changes only through the Lua scripts."""
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import redis
+
+import chunker
+from gateway.errors import (
+    Conflict,
+    CorruptRecord,
+    FatalError,
+    NotFound,
+    SourceUnavailable,
+    StaleLease,
+)
+from gateway.jobspec import JobSpec, open_source
+from gateway.keys import JobKeys, Keys
+from gateway.records import dumps, intact, loads_or_none, seal
+from gateway.scripts import Scripts
+from gateway.settings import Settings
+
+log = logging.getLogger(__name__)
+
+ABSENT = object()
+MAX_RACES = 16
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A leased batch stage: the envelope a worker or platform receives."""
+
+    job_id: str
+    seq: int
+    stage: str
+    stage_index: int
+    attempt: int
+    cursor: Any
+    end_cursor: Any
+    items: list[Any] | None
+    input: Any
+    params: dict[str, Any]
+    lease_token: str
+    lease_deadline_ms: int
+
+    @property
+    def idempotency_key(self) -> str:
+        return f"{self.job_id}:{self.seq}:{self.stage}"
+
+    def envelope(self) -> dict[str, Any]:
+        """The public, stable JSON envelope (docs/api.md)."""
+        return {
+            "job_id": self.job_id,
+            "seq": self.seq,
+            "stage": self.stage,
+            "stage_index": self.stage_index,
+            "attempt": self.attempt,
+            "idempotency_key": self.idempotency_key,
+            "cursor": self.cursor,
+            "end_cursor": self.end_cursor,
+            "items": self.items,
+            "input": self.input,
+            "params": self.params,
+            "lease_token": self.lease_token,
+            "lease_deadline": _iso(self.lease_deadline_ms),
+        }
+
+
+def _iso(ms: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}Z"
+
+
+class Ledger:
+    """Operations on jobs and batches; one instance per Redis client."""
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.r = client
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        self.scripts = Scripts.register(client)
+        self._specs: dict[str, JobSpec] = {}
+
+    # -- records ---------------------------------------------------------------------------
+
+    def spec(self, job_id: str) -> JobSpec:
+        """The job's frozen spec (cached: it never changes), or NotFound / CorruptRecord."""
+        cached = self._specs.get(job_id)
+        if cached is not None:
+            return cached
+        fields = self.r.hgetall(self.keys.job(job_id).spec)
+        if not fields:
+            raise NotFound(f"job {job_id} not found")
+        if not intact(fields):
+            self.r.hset(self.keys.job(job_id).spec, "corrupt", "1")
+            raise CorruptRecord(f"job {job_id} spec failed its checksum; it will not run")
+        spec = JobSpec.from_fields(fields)
+        self._specs[job_id] = spec
+        return spec
+
+    def job_fields(self, job_id: str) -> dict[str, str]:
+        """The job hash, checked against its checksum; a corrupt one is marked."""
+        k = self.keys.job(job_id)
+        fields = self.r.hgetall(k.job)
+        if not fields:
+            raise NotFound(f"job {job_id} not found")
+        if not intact(fields):
+            self.r.hset(k.job, "corrupt", "1")
+            fields["corrupt"] = "1"
+        return fields
+
+    def create_job(self, spec: JobSpec, first_cursor: Any, inline_items: list | None) -> None:
+        """Write a new job: its spec, its state at cursor ``first_cursor``, its indexes."""
+        k = self.keys.job(spec.job_id)
+        now = str(int(time.time() * 1000))
+        cursor = dumps(first_cursor)
+        state = {
+            "tenant": spec.tenant, "flow_id": spec.flow.id, "flow_version": spec.flow.version,
+            "flow_hash": spec.flow_hash, "status": "running", "created_ms": now, "updated_ms": now,
+            "finished_ms": "", "next_seq": "0", "base_seq": "0", "wm": "0", "frontier": cursor,
+            "committed_cursor": cursor, "exhausted": "0", "blocked": "", "n_open": "0",
+            "n_done": "0", "n_failed": "0", "items_done": "0", "error": "",
+        }
+        pipe = self.r.pipeline(transaction=True)
+        for start in range(0, len(inline_items or []), 1000):
+            pipe.rpush(k.src, *[dumps(i) for i in inline_items[start:start + 1000]])
+        pipe.hset(k.spec, mapping=seal(spec.to_fields()))
+        pipe.hset(k.job, mapping=seal(state))
+        pipe.xadd(k.log, {"event": "job_created", "cursor": cursor},
+                  maxlen=self.settings.log_maxlen, approximate=True)
+        pipe.zadd(self.keys.jobs(spec.tenant), {spec.job_id: int(now)})
+        pipe.sadd(self.keys.active, spec.job_id)
+        pipe.execute()
+        log.info("job created job_id=%s flow=%s@%s", spec.job_id, spec.flow.id, spec.flow.version)
+
+    # -- pull mode -------------------------------------------------------------------------
+
+    def lease(self, job_id: str, stage: str | None = None) -> Lease | None:
+        """Lease the next ready batch stage (planning a new batch if needed); None if none is ready."""
+        spec = self.spec(job_id)
+        k = self.keys.job(job_id)
+        stages = self._stage_filter(spec, stage)
+        for _ in range(MAX_RACES):
+            job = self._runnable(job_id)
+            if job is None:
+                return None
+            seq, idx = self._candidate(k, stages)
+            if seq is None:
+                if not self._plan(spec, k, job, stages):
+                    return None
+                continue
+            token = secrets.token_urlsafe(16)
+            res = self.scripts.lease(
+                keys=[k.job, k.batch(seq), k.items(seq), k.ready(idx), k.leases, k.log, k.failed],
+                args=[seq, idx, int(spec.flow.stages[idx].lease.total_seconds() * 1000),
+                      token, spec.flow.concurrency, self.settings.log_maxlen,
+                      spec.budget_total, spec.flow.tolerated_failure_percentage])
+            if res[0] == "ok":
+                return self._lease_from(spec, seq, idx, token, res)
+            if res[0] == "busy":
+                return None
+            if res[0] == "corrupt" and res[1] == "job":
+                raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
+        return None
+
+    def _stage_filter(self, spec: JobSpec, stage: str | None) -> list[int]:
+        if stage is None:
+            return list(range(spec.stage_count))
+        idx = spec.stage_index(stage)
+        if idx is None:
+            raise NotFound(f"job {spec.job_id} has no stage {stage!r}")
+        return [idx]
+
+    def _runnable(self, job_id: str) -> dict[str, str] | None:
+        job = self.job_fields(job_id)
+        if job.get("corrupt"):
+            raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
+        return job if job["status"] == "running" else None
+
+    def _candidate(self, k: JobKeys, stages: list[int]) -> tuple[int | None, int]:
+        """First ready (seq, stage), later stages first: finish batches before starting new ones."""
+        now = int(time.time() * 1000)
+        pipe = self.r.pipeline(transaction=False)
+        ordered = sorted(stages, reverse=True)
+        for idx in ordered:
+            pipe.zrangebyscore(k.ready(idx), "-inf", now, start=0, num=1)
+        for idx, found in zip(ordered, pipe.execute()):
+            if found:
+                return int(found[0]), idx
+        return None, -1
+
+    def _plan(self, spec: JobSpec, k: JobKeys, job: dict[str, str], stages: list[int]) -> bool:
+        """Cut the next batch at the frontier. False when there is nothing to plan now."""
+        if job["exhausted"] == "1" or job["blocked"] or 0 not in stages:
+            return False
+        if self.r.zcard(k.leases) >= spec.flow.concurrency:
+            return False
+        frontier = job["frontier"]
+        if spec.external:
+            args = ["", "0", "", "0"]
+        else:
+            batch = self._read_source(spec, k, loads_or_none(frontier))
+            end = "" if batch.end_cursor is None else dumps(batch.end_cursor)
+            args = [end or dumps(None), "1" if batch.end_cursor is None else "0",
+                    dumps(batch.items), str(len(batch.items))]
+        seq = job["next_seq"]
+        res = self.scripts.plan(
+            keys=[k.job, k.batch(int(seq)), k.items(int(seq)), k.ready(0), k.log],
+            args=[seq, frontier, *args, self.settings.log_maxlen, spec.budget_total,
+                  spec.flow.tolerated_failure_percentage])
+        if res[0] == "ok":
+            log.info("batch planned job_id=%s seq=%s", spec.job_id, seq)
+        return res[0] in ("ok", "raced")
+
+    def _read_source(self, spec: JobSpec, k: JobKeys, cursor: Any) -> chunker.Batch:
+        inline = RedisListView(self.r, k.src) if spec.source["type"] == "inline" else None
+        try:
+            source = open_source(spec.source, inline_items=inline)
+            return source.read_batch(cursor, max_items=spec.flow.batching.max_items,
+                                     max_bytes=spec.flow.batching.max_bytes)
+        except chunker.SourceReadError as exc:
+            if exc.retryable:
+                raise SourceUnavailable(f"source of job {spec.job_id} unavailable: {exc}") from exc
+            self._fail_job(spec.job_id, f"source unreadable: {exc}")
+            raise FatalError(f"source of job {spec.job_id} cannot be read: {exc}") from exc
+        except chunker.SourceSpecError as exc:
+            self._fail_job(spec.job_id, f"bad cursor or source: {exc}")
+            raise FatalError(f"job {spec.job_id}: {exc}") from exc
+
+    def _fail_job(self, job_id: str, reason: str) -> None:
+        self.set_status(job_id, "failed", ("running",), actor=f"ledger: {reason}")
+
+    @staticmethod
+    def _lease_from(spec: JobSpec, seq: int, idx: int, token: str, res: list) -> Lease:
+        _, attempt, deadline, start, end, items, prev = res
+        return Lease(job_id=spec.job_id, seq=seq, stage=spec.flow.stages[idx].name, stage_index=idx,
+                      attempt=int(attempt), cursor=loads_or_none(start), end_cursor=loads_or_none(end),
+                      items=loads_or_none(items), input=loads_or_none(prev), params=spec.params,
+                      lease_token=token, lease_deadline_ms=int(deadline))
+
+    def heartbeat(self, job_id: str, seq: int, token: str, progress: Any = ABSENT,
+                  extend_ms: int | None = None) -> dict[str, Any]:
+        """Extend a live lease (by the stage's lease length unless ``extend_ms``); 409 if stale."""
+        spec = self.spec(job_id)
+        k = self.keys.job(job_id)
+        batch = self._batch_fields(job_id, seq)
+        stage = spec.flow.stages[int(batch["stage"])]
+        extend = extend_ms or int(stage.lease.total_seconds() * 1000)
+        res = self.scripts.heartbeat(
+            keys=[k.job, k.batch(seq), k.leases],
+            args=[token, extend, "" if progress is ABSENT else dumps(progress)])
+        self._raise_for(res, job_id, seq)
+        return {"job_id": job_id, "seq": seq, "lease_deadline": _iso(int(res[1])), "job_status": res[2]}
+
+    def complete(self, job_id: str, seq: int, token: str, output: Any,
+                 next_cursor: Any = ABSENT, items: list | None = None) -> dict[str, Any]:
+        """Commit the leased stage's output: one script, one round trip."""
+        spec = self.spec(job_id)
+        k = self.keys.job(job_id)
+        res = self.scripts.complete(
+            keys=[k.job, k.batch(seq), k.items(seq), k.leases, k.done, k.log,
+                  *[k.ready(i) for i in range(spec.stage_count)]],
+            args=[token, dumps(output), "" if next_cursor is ABSENT else dumps(next_cursor),
+                  "" if items is None else dumps(items), len(items or ()), spec.stage_count,
+                  self.settings.log_maxlen, spec.budget_total, spec.flow.tolerated_failure_percentage])
+        if res[0] == "duplicate":
+            stage, attempt = int(res[1]), int(res[2])
+        else:
+            self._raise_for(res, job_id, seq)
+            stage, attempt = int(res[4]), int(res[3])
+            log.info("stage committed job_id=%s seq=%s stage=%s attempt=%s job_status=%s",
+                     job_id, seq, stage, attempt, res[2])
+        return {"job_id": job_id, "seq": seq, "stage": spec.flow.stages[stage].name,
+                "attempt": attempt, "status": "committed", "duplicate": res[0] == "duplicate"}
+
+    def fail(self, job_id: str, seq: int, token: str, message: str, retryable: bool = True,
+             error_type: str | None = None, actor: str = "worker") -> dict[str, Any]:
+        """Record a failed attempt: retried with backoff, or failed for good."""
+        spec = self.spec(job_id)
+        k = self.keys.job(job_id)
+        stage = spec.flow.stages[int(self._batch_fields(job_id, seq)["stage"])]
+        policy = stage.retry
+        if error_type and error_type in policy.non_retryable_error_types:
+            retryable = False
+        res = self.scripts.fail(
+            keys=[k.job, k.batch(seq), k.leases, k.failed, k.log,
+                  *[k.ready(i) for i in range(spec.stage_count)]],
+            args=[token, message[:2000], "1" if retryable else "0", *self._policy_args(policy),
+                  self.settings.log_maxlen, spec.budget_total,
+                  spec.flow.tolerated_failure_percentage, actor])
+        self._raise_for(res, job_id, seq)
+        log.info("stage failed job_id=%s seq=%s attempt=%s outcome=%s", job_id, seq, res[1], res[0])
+        return {"job_id": job_id, "seq": seq, "attempt": int(res[1]), "outcome": res[0]}
+
+    @staticmethod
+    def _policy_args(policy: Any) -> list[Any]:
+        return [policy.maximum_attempts, int(policy.initial_interval.total_seconds() * 1000),
+                policy.backoff_coefficient, int(policy.maximum_interval.total_seconds() * 1000),
+                random.random()]
+
+    def expire_due(self, job_id: str, actor: str = "supervisor") -> list[tuple[int, str]]:
+        """Expire every lease of ``job_id`` past its deadline; returns (seq, outcome) pairs."""
+        spec = self.spec(job_id)
+        k = self.keys.job(job_id)
+        now = int(time.time() * 1000)
+        out = []
+        for seq in self.r.zrangebyscore(k.leases, "-inf", now):
+            policy = spec.flow.stages[int(self.r.hget(k.batch(int(seq)), "stage") or 0)].retry
+            res = self.scripts.expire(
+                keys=[k.job, k.batch(int(seq)), k.leases, k.failed, k.log,
+                      *[k.ready(i) for i in range(spec.stage_count)]],
+                args=[seq, *self._policy_args(policy), self.settings.log_maxlen,
+                      spec.budget_total, spec.flow.tolerated_failure_percentage, actor])
+            if res[0] in ("retry", "failed"):
+                log.info("lease expired job_id=%s seq=%s attempt=%s outcome=%s",
+                         job_id, seq, res[1], res[0])
+                out.append((int(seq), res[0]))
+        return out
+
+    def _batch_fields(self, job_id: str, seq: int) -> dict[str, str]:
+        fields = self.r.hgetall(self.keys.job(job_id).batch(seq))
+        if not fields:
+            raise NotFound(f"job {job_id} has no batch {seq}")
+        return fields
+
+    @staticmethod
+    def _raise_for(res: list, job_id: str, seq: int) -> None:
+        if res[0] == "stale":
+            raise StaleLease(f"lease token is not current for job {job_id} batch {seq} "
+                             f"(batch is {res[1]}, attempt {res[2]})",
+                             batch_status=res[1], attempt=int(res[2] or 0))
+        if res[0] == "corrupt":
+            raise CorruptRecord(f"job {job_id} batch {seq} failed its checksum; it will not run")
+        if res[0] == "missing":
+            raise NotFound(f"job {job_id} has no batch {seq}")
+
+    # -- job control -----------------------------------------------------------------------
+
+    def set_status(self, job_id: str, status: str, allowed: tuple[str, ...], actor: str) -> str:
+        """Move the job to ``status`` if it is in one of ``allowed``; returns the old status."""
+        k = self.keys.job(job_id)
+        res = self.scripts.set_status(keys=[k.job, k.log],
+                                      args=[status, ",".join(allowed), self.settings.log_maxlen, actor])
+        if res[0] == "missing":
+            raise NotFound(f"job {job_id} not found")
+        if res[0] == "corrupt":
+            raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
+        if res[0] == "refused":
+            raise Conflict(f"job {job_id} is {res[1]}; cannot make it {status}", job_status=res[1])
+        log.info("job status job_id=%s %s -> %s actor=%s", job_id, res[1], status, actor)
+        return res[1]
+
+    def reopen(self, job_id: str, actor: str, only_failed: bool = False) -> int:
+        """Put uncommitted batches back in the pool; returns how many were re-opened."""
+        spec = self.spec(job_id)
+        k = self.keys.job(job_id)
+        job = self.job_fields(job_id)
+        if only_failed:
+            seqs = [int(s) for s in self.r.zrange(k.failed, 0, -1)]
+        else:
+            seqs = list(range(int(job["wm"]), int(job["next_seq"])))
+        res = self.scripts.reopen(
+            keys=[k.job, k.leases, k.failed, k.log, *[k.ready(i) for i in range(spec.stage_count)],
+                  *[k.batch(s) for s in seqs]],
+            args=[spec.stage_count, self.settings.log_maxlen, actor,
+                  "failed" if only_failed else "all", *seqs])
+        if res[0] == "corrupt":
+            raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
+        self.persist_job(job_id)
+        return int(res[1])
+
+    def replan(self, job_id: str, cursor: Any, actor: str, reason: str) -> dict[str, Any]:
+        """Supersede every uncommitted batch and plan again from ``cursor``."""
+        spec = self.spec(job_id)
+        k = self.keys.job(job_id)
+        job = self.job_fields(job_id)
+        seqs = list(range(int(job["wm"]), int(job["next_seq"])))
+        res = self.scripts.replan(
+            keys=[k.job, k.leases, k.failed, k.done, k.log,
+                  *[k.ready(i) for i in range(spec.stage_count)], *[k.batch(s) for s in seqs]],
+            args=[spec.stage_count, dumps(cursor), self.settings.log_maxlen, actor, reason, *seqs])
+        if res[0] == "corrupt":
+            raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
+        self.persist_job(job_id)
+        log.info("cursor moved job_id=%s actor=%s superseded=%s", job_id, actor, res[1])
+        return {"superseded": int(res[1]), "first_new_seq": int(res[2])}
+
+    # -- retention -------------------------------------------------------------------------
+
+    def _all_keys(self, job_id: str) -> list[str]:
+        spec = self.spec(job_id)
+        k = self.keys.job(job_id)
+        planned = int(self.job_fields(job_id)["next_seq"])
+        return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.recover,
+                *[k.ready(i) for i in range(spec.stage_count)],
+                *[key for s in range(planned) for key in (k.batch(s), k.items(s))]]
+
+    def expire_job(self, job_id: str, retention: timedelta) -> None:
+        """Let every key of a finished job expire after ``retention`` (never for failed jobs)."""
+        ttl_ms = max(int(retention.total_seconds() * 1000), 1)
+        pipe = self.r.pipeline(transaction=False)
+        for key in self._all_keys(job_id):
+            pipe.pexpire(key, ttl_ms)
+        pipe.execute()
+
+    def persist_job(self, job_id: str) -> None:
+        """Cancel a retention expiry: the job runs again."""
+        pipe = self.r.pipeline(transaction=False)
+        for key in self._all_keys(job_id):
+            pipe.persist(key)
+        pipe.execute()
+        self.r.sadd(self.keys.active, job_id)
+
+
+class RedisListView:
+    """A lazy, sliceable view of a Redis list of JSON values (inline sources)."""
+
+    def __init__(self, client: redis.Redis, key: str) -> None:
+        self._r = client
+        self._key = key
+        self._len: int | None = None
+
+    def __len__(self) -> int:
+        if self._len is None:
+            self._len = self._r.llen(self._key)
+        return self._len
+
+    def __getitem__(self, index: slice) -> list[Any]:
+        if not isinstance(index, slice):
+            raise TypeError("RedisListView supports slices only")
+        start, stop, _ = index.indices(len(self))
+        if stop <= start:
+            return []
+        return [loads_or_none(v) for v in self._r.lrange(self._key, start, stop - 1)]

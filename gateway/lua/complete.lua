@@ -1,0 +1,86 @@
+-- complete.lua: commit one stage of one batch, in one round trip.
+-- KEYS[1] job   KEYS[2] batch:<seq>   KEYS[3] items:<seq>   KEYS[4] leases   KEYS[5] done   KEYS[6] log
+-- KEYS[7..6+S] ready:0..ready:S-1
+-- ARGV[1] lease token   ARGV[2] output (JSON)   ARGV[3] next cursor (JSON; '' = none given)
+-- ARGV[4] items fetched by this stage (JSON list; '' = none)   ARGV[5] item count of ARGV[4]
+-- ARGV[6] number of stages   ARGV[7] log maxlen   ARGV[8] budget total   ARGV[9] tolerated failure %
+-- Returns {'ok', next_stage (-1 = batch committed), job status, attempt, stage}
+--       | {'duplicate', stage, attempt}  (the same lease already committed this stage)
+--       | {'stale', status, attempt} | {'corrupt'} | {'missing'}
+-- Invariant 1: a stage result is committed at most once. The fencing token is checked, the output
+-- stored, the stage or the low watermark advanced and the log appended, all here.
+local batch = load(KEYS[2])
+if batch == false then return {'corrupt'} end
+if batch == nil then return {'missing'} end
+local token = ARGV[1]
+if batch['status'] ~= 'leased' or batch['lease_token'] ~= token then
+  for i = 0, tonumber(ARGV[6]) - 1 do
+    if batch['ctok:' .. i] == token then return {'duplicate', int(i), batch['cat:' .. i]} end
+  end
+  return {'stale', batch['status'], batch['attempt']}
+end
+local job = load(KEYS[1])
+if job == false then return {'corrupt'} end
+local now = now_ms()
+local seq = batch['seq']
+local attempt = batch['attempt']
+local stage = tonumber(batch['stage'])
+local nstages = tonumber(ARGV[6])
+local bchg = {lease_token = '', deadline_ms = '', error = ''}
+bchg['out:' .. stage] = ARGV[2]
+bchg['st:' .. stage] = 'completed'
+bchg['ctok:' .. stage] = token
+bchg['cat:' .. stage] = attempt
+local jchg = {updated_ms = int(now)}
+redis.call('ZREM', KEYS[4], seq)
+if ARGV[4] ~= '' then
+  redis.call('SET', KEYS[3], ARGV[4])
+  bchg['n_items'] = ARGV[5]
+end
+if ARGV[3] ~= '' and batch['end_cursor'] == '' then
+  bchg['end_cursor'] = ARGV[3]
+  if job['blocked'] == seq then
+    jchg['blocked'] = ''
+    if ARGV[3] == 'null' then jchg['exhausted'] = '1' else jchg['frontier'] = ARGV[3] end
+  end
+end
+local next_stage = stage + 1
+if next_stage < nstages then
+  bchg['stage'] = int(next_stage)
+  bchg['status'] = 'pending'
+  bchg['attempt'] = '0'
+  bchg['ready_ms'] = int(now)
+  redis.call('ZADD', KEYS[7 + next_stage], now, seq)
+else
+  next_stage = -1
+  bchg['status'] = 'completed'
+  bchg['completed_ms'] = int(now)
+  redis.call('DEL', KEYS[3])
+  local n_items = tonumber(bchg['n_items'] or batch['n_items'])
+  jchg['n_done'] = int(tonumber(job['n_done']) + 1)
+  jchg['n_open'] = int(tonumber(job['n_open']) - 1)
+  jchg['items_done'] = int(tonumber(job['items_done']) + n_items)
+  local end_cursor = bchg['end_cursor'] or batch['end_cursor']
+  if seq == job['wm'] then
+    -- advance the low watermark over this batch and any completed out of order after it
+    local wm = tonumber(seq) + 1
+    local cursor = end_cursor
+    while true do
+      local later = redis.call('HGET', KEYS[5], int(wm))
+      if not later then break end
+      redis.call('HDEL', KEYS[5], int(wm))
+      cursor = later
+      wm = wm + 1
+    end
+    jchg['wm'] = int(wm)
+    jchg['committed_cursor'] = cursor
+  elseif tonumber(seq) > tonumber(job['wm']) then
+    redis.call('HSET', KEYS[5], seq, end_cursor)
+  end
+  finish_changes(job, jchg, now, ARGV[8], tonumber(ARGV[9]))
+end
+save(KEYS[2], batch, bchg)
+save(KEYS[1], job, jchg)
+log(KEYS[6], ARGV[7], {'event', 'stage_completed', 'seq', seq, 'stage', int(stage),
+  'attempt', attempt, 'duration_ms', int(now - tonumber(batch['leased_ms']))})
+return {'ok', int(next_stage), job['status'], attempt, int(stage)}

@@ -1,0 +1,30 @@
+-- expire.lua: return a batch whose lease ran out to the pool (or fail it when out of attempts).
+-- KEYS[1] job   KEYS[2] batch:<seq>   KEYS[3] leases   KEYS[4] failed   KEYS[5] log
+-- KEYS[6..5+S] ready:0..ready:S-1
+-- ARGV[1] seq   ARGV[2] maximum attempts   ARGV[3] initial interval (ms)   ARGV[4] backoff coefficient
+-- ARGV[5] maximum interval (ms)   ARGV[6] jitter in [0,1)   ARGV[7] log maxlen   ARGV[8] budget total
+-- ARGV[9] tolerated failure %   ARGV[10] actor
+-- Returns {'retry'|'failed', attempt} | {'alive'} | {'corrupt'}
+-- Invariant: a lease is expired once: the deadline is re-checked here, and the old holder's token is
+-- void afterwards (its complete gets 'stale'), so several supervisors cannot double-recover.
+local seq = ARGV[1]
+local deadline = redis.call('ZSCORE', KEYS[3], seq)
+local now = now_ms()
+if not deadline or tonumber(deadline) > now then return {'alive'} end
+local batch = load(KEYS[2])
+local job = load(KEYS[1])
+if not batch or not job then
+  redis.call('ZREM', KEYS[3], seq)
+  return {'corrupt'}
+end
+if batch['status'] ~= 'leased' then
+  redis.call('ZREM', KEYS[3], seq)
+  return {'alive'}
+end
+local k = {job = KEYS[1], batch = KEYS[2], leases = KEYS[3], failed = KEYS[4], log = KEYS[5],
+  ready = {unpack(KEYS, 6)}}
+local outcome = fail_attempt(k, job, batch, seq, {now = now, message = 'lease expired',
+  retryable = true, max_attempts = tonumber(ARGV[2]), initial_ms = tonumber(ARGV[3]),
+  coef = tonumber(ARGV[4]), max_ms = tonumber(ARGV[5]), jitter = tonumber(ARGV[6]), maxlen = ARGV[7],
+  budget_total = ARGV[8], tolerated_pct = tonumber(ARGV[9]), actor = ARGV[10]})
+return {outcome, batch['attempt']}

@@ -1,0 +1,25 @@
+-- fail.lua: a worker reports that its stage attempt failed.
+-- KEYS[1] job   KEYS[2] batch:<seq>   KEYS[3] leases   KEYS[4] failed   KEYS[5] log
+-- KEYS[6..5+S] ready:0..ready:S-1
+-- ARGV[1] lease token   ARGV[2] message   ARGV[3] '1' retryable / '0' fatal   ARGV[4] maximum attempts
+-- ARGV[5] initial interval (ms)   ARGV[6] backoff coefficient   ARGV[7] maximum interval (ms)
+-- ARGV[8] jitter in [0,1)   ARGV[9] log maxlen   ARGV[10] budget total   ARGV[11] tolerated failure %
+-- ARGV[12] actor
+-- Returns {'retry'|'failed', attempt, job status} | {'stale', status, attempt} | {'corrupt'} | {'missing'}
+-- Invariant: only the current lease holder can fail an attempt; a batch out of attempts or with a fatal
+-- error fails for good and the failure budget decides the job.
+local batch = load(KEYS[2])
+if batch == false then return {'corrupt'} end
+if batch == nil then return {'missing'} end
+if batch['status'] ~= 'leased' or batch['lease_token'] ~= ARGV[1] then
+  return {'stale', batch['status'], batch['attempt']}
+end
+local job = load(KEYS[1])
+if job == false then return {'corrupt'} end
+local k = {job = KEYS[1], batch = KEYS[2], leases = KEYS[3], failed = KEYS[4], log = KEYS[5],
+  ready = {unpack(KEYS, 6)}}
+local outcome = fail_attempt(k, job, batch, batch['seq'], {now = now_ms(), message = ARGV[2],
+  retryable = ARGV[3] == '1', max_attempts = tonumber(ARGV[4]), initial_ms = tonumber(ARGV[5]),
+  coef = tonumber(ARGV[6]), max_ms = tonumber(ARGV[7]), jitter = tonumber(ARGV[8]), maxlen = ARGV[9],
+  budget_total = ARGV[10], tolerated_pct = tonumber(ARGV[11]), actor = ARGV[12]})
+return {outcome, batch['attempt'], job['status']}

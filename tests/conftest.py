@@ -1,0 +1,82 @@
+"""Shared fixtures: a real redis-server on a free port, private to this test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.embedded import EmbeddedRedis, client_for
+from gateway.ledger import Ledger
+from gateway.settings import Settings
+
+TOKEN = "t-acme-0123456789"
+OTHER_TOKEN = "t-globex-0123456789"
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    client = client_for(redis_server.url)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def settings(redis_server, tmp_path):
+    return Settings(redis_url=redis_server.url, data_dir=tmp_path / "data",
+                    tokens={TOKEN: "acme", OTHER_TOKEN: "globex"})
+
+
+@pytest.fixture
+def ledger(redis_client, settings):
+    return Ledger(redis_client, settings)
+
+
+@pytest.fixture
+def registry(ledger, redis_client):
+    from gateway.flows import FlowRegistry
+
+    return FlowRegistry(redis_client, ledger.keys)
+
+
+@pytest.fixture
+def jobs(ledger, registry):
+    from gateway.jobs import JobService
+
+    return JobService(ledger, registry)
+
+
+@pytest.fixture
+def make_job(registry, jobs):
+    """Register a flow and start a job over ``items`` (a list, or an int for a sequence)."""
+    from gateway.flows import parse_flow
+    from gateway.jobs import JobRequest
+
+    counter = iter(range(1_000_000))
+
+    def make(items=10, max_items=3, stages=("score", "store"), tenant="acme", **flow_extra):
+        stage_defs = flow_extra.pop("stage_defs", None) or [{"name": s} for s in stages]
+        source = ({"type": "sequence", "count": items} if isinstance(items, int)
+                  else {"type": "inline", "items": items})
+        flow = parse_flow({"id": f"flow{next(counter)}", "version": "1", "stages": stage_defs,
+                           "batching": {"max_items": max_items}, "source": source, **flow_extra})
+        registry.register(tenant, flow)
+        return jobs.create(tenant, JobRequest(flow_id=flow.id))["job_id"]
+
+    return make
+
+
+def drain(ledger, job_id, output=lambda lease: {"n": len(lease.items or [])}):
+    """Lease and complete every stage of every batch in order; returns the leases seen."""
+    seen = []
+    while (lease := ledger.lease(job_id)) is not None:
+        seen.append(lease)
+        ledger.complete(job_id, lease.seq, lease.lease_token, output(lease))
+    return seen
