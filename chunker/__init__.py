@@ -1,5 +1,17 @@
 """Split long jobs into batches read from inline lists, sequences, files and HTTP APIs.
 
+Source specs (validate_spec fills the defaults shown):
+
+- {"type": "inline", "items": [...]}
+- {"type": "sequence", "count": N, "start": 0}
+- {"type": "jsonl", "path" | "url": ...}
+- {"type": "csv", "path" | "url": ..., "delimiter": ",", "header": true}
+- {"type": "http_json", "url": ..., "items_field": "data", "headers": {}, "params": {},
+  "pagination": {"style": "none" | "offset" | "page" | "token" | "link" | "key", ...}}
+
+Cursors are JSON-serialisable dicts (see chunker.cursors). A Batch's end_cursor is where
+the next batch starts, or None once the source is exhausted.
+
 Typical use::
 
     source = open_source(validate_spec(spec))
@@ -13,12 +25,13 @@ Typical use::
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import requests
 
+from chunker import cursors
 from chunker.batching import Batch
-from chunker.cursors import validate_cursor
 from chunker.errors import ChunkerError, SourceReadError, SourceSpecError
 from chunker.files import CsvSource, JsonlSource, validate_file_spec
 from chunker.http_api import HttpJsonSource, validate_http_json
@@ -47,6 +60,7 @@ _VALIDATORS: dict[str, Callable[[Fields], dict]] = {
 
 
 def _validate(spec: Any, *, require_items: bool) -> dict:
+    """Dispatches to the validator of the spec's type."""
     f = Fields(spec, "source spec")
     source_type = f.get_str("type")
     if source_type not in _VALIDATORS:
@@ -89,11 +103,32 @@ def open_source(
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
         raise SourceSpecError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     checked = _validate(spec, require_items=inline_items is None)
+    if inline_items is not None and checked["type"] != "inline":
+        raise SourceSpecError(f"inline_items can only be used with an inline source, not {checked['type']!r}")
+    return _build(checked, session, timeout_s, inline_items)
+
+
+def validate_cursor(cursor: Any, spec: dict | None = None) -> dict:
+    """Checks a cursor and returns a normalised copy, without reading any data.
+
+    Args:
+        cursor: The cursor to check.
+        spec: If given, also check the cursor fits this source (type, first page, link
+            origin); inline "items" may be omitted.
+
+    Raises:
+        SourceSpecError: If the cursor (or spec) is invalid; the message names the field.
+    """
+    if spec is None:
+        return cursors.validate_cursor(cursor)
+    return _build(_validate(spec, require_items=False), None, 30.0, None).validate_cursor(cursor)
+
+
+def _build(checked: dict, session: requests.Session | None, timeout_s: float, inline_items: Any) -> Source:
+    """Creates the Source for a validated spec."""
     source_type = checked["type"]
-    if inline_items is not None and source_type != "inline":
-        raise SourceSpecError(f"inline_items can only be used with an inline source, not {source_type!r}")
     if source_type == "inline":
-        return InlineSource(checked["items"] if inline_items is None else inline_items)
+        return InlineSource(checked.get("items", []) if inline_items is None else inline_items)
     if source_type == "sequence":
         return SequenceSource(checked["count"], checked["start"])
     if source_type == "http_json":

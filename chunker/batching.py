@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from chunker.errors import SourceReadError, SourceSpecError
 from chunker.validation import describe, is_int
@@ -58,7 +59,9 @@ def check_limits(max_items: Any, max_bytes: Any) -> None:
         raise SourceSpecError(f"max_bytes must be null or an integer >= 1, got {describe(max_bytes)}")
 
 
-def collect(entries: Iterator[Entry], start: dict, max_items: int, max_bytes: int | None) -> Batch:
+def collect(
+    entries: Generator[Entry, None, None], start: dict, max_items: int, max_bytes: int | None
+) -> Batch:
     """Takes items from entries until a limit is hit, peeking one entry to detect exhaustion.
 
     The batch stops at max_items, or before an item that would push size_bytes over

@@ -12,7 +12,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from chunker.errors import SourceSpecError
 from chunker.validation import Fields, describe, is_int
@@ -29,10 +30,12 @@ def offset_cursor(offset: int, byte: int | None = None, line: int | None = None)
 
 
 def _skip(f: Fields) -> int:
+    """Returns the optional "skip" field (default 0)."""
     return f.get_int("skip", 0, minimum=0)
 
 
 def _offset(f: Fields) -> dict:
+    """Checks an offset cursor."""
     f.only({"type", "offset", "byte", "line"})
     cursor = offset_cursor(f.get_int("offset", minimum=0))
     for key in ("byte", "line"):
@@ -42,11 +45,13 @@ def _offset(f: Fields) -> dict:
 
 
 def _page(f: Fields) -> dict:
+    """Checks a page cursor."""
     f.only({"type", "page", "skip"})
     return {"type": "page", "page": f.get_int("page", minimum=0), "skip": _skip(f)}
 
 
 def _token(f: Fields) -> dict:
+    """Checks a token cursor (token None means the first page)."""
     f.only({"type", "token", "skip"})
     token = f.data.get("token")
     if token is not None:
@@ -55,11 +60,13 @@ def _token(f: Fields) -> dict:
 
 
 def _link(f: Fields) -> dict:
+    """Checks a link cursor."""
     f.only({"type", "url", "skip"})
     return {"type": "link", "url": f.get_url("url"), "skip": _skip(f)}
 
 
 def _key(f: Fields) -> dict:
+    """Checks a key cursor (after None means the first page)."""
     f.only({"type", "after", "skip"})
     after = f.data.get("after")
     if not (after is None or isinstance(after, str) or is_int(after)):
@@ -94,7 +101,7 @@ def expect_cursor(cursor: Any, expected_type: str, source_type: str) -> dict:
     checked = validate_cursor(cursor)
     if checked["type"] != expected_type:
         raise SourceSpecError(
-            f"cursor of type {checked['type']!r} cannot be used with a {source_type} source,"
+            f"cursor of type {checked['type']!r} cannot be used with source type {source_type!r},"
             f" which uses {expected_type!r} cursors"
         )
     return checked

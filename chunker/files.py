@@ -9,8 +9,9 @@ from __future__ import annotations
 import csv
 import json
 import re
+from collections.abc import Generator, Iterable, Iterator
 from contextlib import closing
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import requests
 
@@ -40,13 +41,13 @@ def validate_file_spec(f: Fields, source_type: str) -> dict:
     if source_type == "csv":
         delimiter = f.get_str("delimiter", ",")
         if len(delimiter) != 1 or delimiter in '\r\n"':
-            f.fail("delimiter", f"must be a single character other than a quote or newline, got {delimiter!r}")
+            f.fail("delimiter", f"must be one character, not a quote or newline, got {delimiter!r}")
         spec["delimiter"] = delimiter
         spec["header"] = f.get_bool("header", True)
     return spec
 
 
-def _file_chunks(path: str, byte: int) -> Iterator[bytes]:
+def _file_chunks(path: str, byte: int) -> Generator[bytes, None, None]:
     """Yields the bytes of a local file from position byte on."""
     try:
         with open(path, "rb") as fh:
@@ -56,18 +57,21 @@ def _file_chunks(path: str, byte: int) -> Iterator[bytes]:
     except OSError as exc:
         permanent = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
         reason = exc.strerror or type(exc).__name__
-        raise SourceReadError(f"cannot read {path}: {reason}", retryable=not isinstance(exc, permanent)) from None
+        retryable = not isinstance(exc, permanent)
+        raise SourceReadError(f"cannot read {path}: {reason}", retryable=retryable) from None
 
 
 def _range_start(resp: requests.Response, url: str) -> int:
     """Returns the first byte position of a 206 response."""
     match = _CONTENT_RANGE.match(resp.headers.get("Content-Range", ""))
     if not match:
-        raise SourceReadError(f"GET {display_url(url)}: 206 response without a valid Content-Range", retryable=False)
+        raise SourceReadError(f"GET {display_url(url)}: 206 without a valid Content-Range", retryable=False)
     return int(match.group(1))
 
 
-def _http_chunks(session: requests.Session, url: str, byte: int, timeout_s: float) -> Iterator[bytes]:
+def _http_chunks(
+    session: requests.Session, url: str, byte: int, timeout_s: float
+) -> Generator[bytes, None, None]:
     """Streams the body of url from position byte on, using Range when the server honours it."""
     headers = {"Accept-Encoding": "identity"}
     if byte:
@@ -78,7 +82,8 @@ def _http_chunks(session: requests.Session, url: str, byte: int, timeout_s: floa
             return
         skip = byte - _range_start(resp, url) if resp.status_code == 206 else byte
         if skip < 0:
-            raise SourceReadError(f"GET {display_url(url)}: server sent a range after byte {byte}", retryable=False)
+            message = f"GET {display_url(url)}: server sent a range starting after byte {byte}"
+            raise SourceReadError(message, retryable=False)
         for chunk in resp.iter_content(_CHUNK_BYTES):
             if skip >= len(chunk):
                 skip -= len(chunk)
@@ -91,7 +96,7 @@ def _http_chunks(session: requests.Session, url: str, byte: int, timeout_s: floa
         resp.close()
 
 
-def _split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+def _split_lines(chunks: Generator[bytes, None, None]) -> Generator[bytes, None, None]:
     """Yields lines including their b"\\n" terminator (the last line may lack one)."""
     buf = bytearray()
     with closing(chunks):
@@ -148,7 +153,8 @@ class _FileSource(Source):
         """Returns the start of the file."""
         return offset_cursor(0, 0, 0)
 
-    def _lines(self, byte: int) -> Iterator[bytes]:
+    def _lines(self, byte: int) -> Generator[bytes, None, None]:
+        """Returns the lines of the file from position byte on."""
         if self._path is not None:
             return _split_lines(_file_chunks(self._path, byte))
         if self._session is None:
@@ -156,7 +162,9 @@ class _FileSource(Source):
         return _split_lines(_http_chunks(self._session, self._url or "", byte, self._timeout_s))
 
     def _failure(self, where: str, problem: str) -> ReadFailure:
-        return ReadFailure(SourceReadError(f"{self.source_type} {self._where}, {where}: {problem}", retryable=False))
+        """Returns a non-retryable failure naming the file and location."""
+        message = f"{self.source_type} {self._where}, {where}: {problem}"
+        return ReadFailure(SourceReadError(message, retryable=False))
 
 
 class JsonlSource(_FileSource):
@@ -164,12 +172,13 @@ class JsonlSource(_FileSource):
 
     source_type = "jsonl"
 
-    def _entries(self, cursor: dict, max_items: int) -> Iterator[Entry]:
+    def _entries(self, cursor: dict, max_items: int) -> Generator[Entry, None, None]:
         pos, skip = _resume(cursor)
         with closing(self._lines(pos.byte)) as lines:
             for raw in lines:
                 payload, where = pos.advance(raw)
-                if not payload.strip():
+                payload = payload.strip()
+                if not payload:
                     continue
                 pos.offset += 1
                 if pos.offset <= skip:
@@ -183,6 +192,8 @@ class JsonlSource(_FileSource):
 
 
 class _Header(NamedTuple):
+    """A CSV header row and the position of the first data record after it."""
+
     names: list[str]
     byte: int
     line: int | None
@@ -199,11 +210,12 @@ class CsvSource(_FileSource):
         self._has_header: bool = spec["header"]
         self._header: _Header | None = None
 
-    def _rows(self, pos: _Pos) -> Iterator[tuple[list[str] | ReadFailure, str]]:
+    def _rows(self, pos: _Pos) -> Generator[tuple[list[str] | ReadFailure, str], None, None]:
         """Yields (row, location) for non-empty records from pos on, advancing pos."""
         where = ""
 
         def text_lines(lines: Iterable[bytes]) -> Iterator[str]:
+            """Decodes lines for the csv module, tracking where each record starts."""
             nonlocal where
             for raw in lines:
                 payload, line_where = pos.advance(raw)
@@ -225,6 +237,7 @@ class CsvSource(_FileSource):
                     yield row, where
 
     def _take_header(self, rows: Iterator[tuple[Any, str]], pos: _Pos) -> _Header:
+        """Consumes the header row from rows; pos must be the position rows advance."""
         for row, where in rows:
             if isinstance(row, ReadFailure):
                 raise row.error
@@ -233,7 +246,7 @@ class CsvSource(_FileSource):
             return _Header(row, pos.byte, pos.line)
         return _Header([], pos.byte, pos.line)
 
-    def _entries(self, cursor: dict, max_items: int) -> Iterator[Entry]:
+    def _entries(self, cursor: dict, max_items: int) -> Generator[Entry, None, None]:
         pos, skip = _resume(cursor)
         if self._has_header and self._header is None and pos.byte > 0:
             head = _Pos(0, 0, 0)
@@ -254,8 +267,10 @@ class CsvSource(_FileSource):
                 yield self._item(row, where), pos.cursor()
 
     def _item(self, row: list[str], where: str) -> Any:
+        """Returns a row as a dict keyed by the header, or as a list without one."""
         if self._header is None:
             return row
         if len(row) != len(self._header.names):
-            return self._failure(where, f"row has {len(row)} fields but the header has {len(self._header.names)}")
+            expected = len(self._header.names)
+            return self._failure(where, f"row has {len(row)} fields but the header has {expected}")
         return dict(zip(self._header.names, row))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Generator
+from typing import Any
 from urllib.parse import urljoin
 
 import requests
@@ -23,10 +24,12 @@ _STYLES: dict[str, dict[str, Any]] = {
     "link": {},
     "key": {"after_param": "starting_after", "key_field": "id", "limit_param": None, "page_size": None},
 }
-_CURSOR_TYPES = {"none": "offset", "offset": "offset", "page": "page", "token": "token", "link": "link", "key": "key"}
+_CURSOR_TYPES = {"none": "offset", "offset": "offset", "page": "page", "token": "token", "link": "link",
+                 "key": "key"}
 
 
 def _validate_pagination(f: Fields) -> dict:
+    """Checks the pagination dict and fills the defaults of its style."""
     style = f.get_str("style", "none")
     if style not in _STYLES:
         f.fail("style", f"must be one of {', '.join(_STYLES)}, got {style!r}")
@@ -117,10 +120,11 @@ class HttpJsonSource(Source):
         if self._style == "page" and cursor["page"] < self._pg["first_page"]:
             raise SourceSpecError(f"cursor field 'page' must be >= first_page {self._pg['first_page']}")
         if self._style == "link" and origin(cursor["url"]) != origin(self._spec["url"]):
-            raise SourceSpecError("cursor field 'url' must have the same scheme, host and port as the spec url")
+            raise SourceSpecError("cursor field 'url' must have the same scheme, host and port as the"
+                                  " spec url")
         return cursor
 
-    def _entries(self, cursor: dict, max_items: int) -> Iterator[Entry]:
+    def _entries(self, cursor: dict, max_items: int) -> Generator[Entry, None, None]:
         current: dict | None = cursor
         while current is not None:
             items, nxt = self._fetch(current)
@@ -132,6 +136,7 @@ class HttpJsonSource(Source):
             current = nxt
 
     def _skip(self, cursor: dict) -> int:
+        """Returns how many items of the page at cursor are already consumed."""
         if self._style == "none":
             return cursor["offset"]
         return cursor.get("skip", 0)
@@ -170,15 +175,18 @@ class HttpJsonSource(Source):
         url, params = self._request(cursor)
         if self._session is None:
             self._session = requests.Session()
-        resp = http_get(self._session, url, timeout_s=self._timeout_s, params=params, headers=self._spec["headers"])
+        resp = http_get(self._session, url, timeout_s=self._timeout_s, params=params,
+                        headers=self._spec["headers"])
         try:
             body = resp.json()
         except ValueError:
-            raise SourceReadError(f"GET {display_url(url)}: response is not valid JSON", retryable=False) from None
+            message = f"GET {display_url(url)}: response is not valid JSON"
+            raise SourceReadError(message, retryable=False) from None
         found, items = _dig(body, self._spec["items_field"])
         if not found or not isinstance(items, list):
             field = self._spec["items_field"] or "(the body)"
-            raise SourceReadError(f"GET {display_url(url)}: items field {field!r} missing or not a list", retryable=False)
+            message = f"GET {display_url(url)}: items field {field!r} missing or not a list"
+            raise SourceReadError(message, retryable=False)
         nxt = self._next(cursor, items, resp, body)
         if nxt is not None and {**nxt, "skip": 0} == {**cursor, "skip": 0}:
             raise SourceReadError(f"GET {display_url(url)}: pagination did not advance", retryable=False)
@@ -196,9 +204,13 @@ class HttpJsonSource(Source):
             return {"type": "key", "after": self._key(items[-1]), "skip": 0} if full else None
         if style == "token":
             token = _dig(body, pg["next_token_field"])[1]
-            if is_int(token):
-                token = str(token)
-            return {"type": "token", "token": token, "skip": 0} if isinstance(token, str) and token else None
+            if token is None or token == "":
+                return None
+            if not (isinstance(token, str) or is_int(token)):
+                message = (f"GET {display_url(resp.url)}: next token field {pg['next_token_field']!r}"
+                           f" holds a {type(token).__name__}, not a string")
+                raise SourceReadError(message, retryable=False)
+            return {"type": "token", "token": str(token), "skip": 0}
         if style == "link" and "next" in resp.links:
             return {"type": "link", "url": self._follow(resp), "skip": 0}
         return None
@@ -207,16 +219,15 @@ class HttpJsonSource(Source):
         """Resolves the rel="next" link, refusing other origins (request headers may be secret)."""
         url = urljoin(resp.url, resp.links["next"].get("url", ""))
         if origin(url) != origin(self._spec["url"]):
-            raise SourceReadError(
-                f"GET {display_url(resp.url)}: next link leads to another origin; not following it", retryable=False
-            )
+            message = f"GET {display_url(resp.url)}: next link leads to another origin; not following it"
+            raise SourceReadError(message, retryable=False)
         return url
 
     def _key(self, item: Any) -> str | int:
+        """Returns the key-pagination key of an item."""
         found, key = _dig(item, self._pg["key_field"])
         if not found or not (isinstance(key, str) or is_int(key)):
-            raise SourceReadError(
-                f"item has no string or integer key field {self._pg['key_field']!r} in {display_url(self._spec['url'])}",
-                retryable=False,
-            )
+            message = (f"item has no string or integer key field {self._pg['key_field']!r}"
+                       f" in {display_url(self._spec['url'])}")
+            raise SourceReadError(message, retryable=False)
         return key

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import requests
@@ -24,10 +25,13 @@ def display_url(url: str) -> str:
 
 
 def origin(url: str) -> tuple[str, str, int | None]:
-    """Returns (scheme, host, port) of url, with the default port made explicit."""
-    parts = urlsplit(url)
-    default = {"http": 80, "https": 443}.get(parts.scheme)
-    return parts.scheme, (parts.hostname or "").lower(), parts.port or default
+    """Returns (scheme, host, port) of url, with the default port made explicit ("" for a bad URL)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return "", "", None
+    return parts.scheme, (parts.hostname or "").lower(), port
 
 
 def retry_after_seconds(value: str | None) -> float | None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from collections.abc import Generator, Sequence
+from typing import Any
 
 from chunker.batching import Entry
 from chunker.cursors import offset_cursor
@@ -50,7 +51,7 @@ class InlineSource(Source):
         """Returns offset 0."""
         return offset_cursor(0)
 
-    def _entries(self, cursor: dict, max_items: int) -> Iterator[Entry]:
+    def _entries(self, cursor: dict, max_items: int) -> Generator[Entry, None, None]:
         start = cursor["offset"]
         # One extra item lets the batch see whether anything follows.
         for i, item in enumerate(self._items[start : start + max_items + 1], start + 1):
@@ -75,6 +76,6 @@ class SequenceSource(Source):
         """Returns offset 0."""
         return offset_cursor(0)
 
-    def _entries(self, cursor: dict, max_items: int) -> Iterator[Entry]:
+    def _entries(self, cursor: dict, max_items: int) -> Generator[Entry, None, None]:
         for i in range(cursor["offset"], min(self._count, cursor["offset"] + max_items + 1)):
             yield self._start + i, offset_cursor(i + 1)

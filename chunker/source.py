@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterator
+from collections.abc import Generator
 
 from chunker.batching import Batch, Entry, check_limits, collect
 from chunker.cursors import expect_cursor
@@ -34,7 +34,7 @@ class Source(ABC):
             SourceSpecError: If the cursor or limits are invalid for this source.
             SourceReadError: If reading fails; see its retryable attribute.
         """
-        checked = self.check_cursor(expect_cursor(cursor, self.cursor_type, self.source_type))
+        checked = self.validate_cursor(cursor)
         check_limits(max_items, max_bytes)
         entries = self._entries(checked, max_items)
         try:
@@ -42,10 +42,18 @@ class Source(ABC):
         finally:
             entries.close()
 
+    def validate_cursor(self, cursor: dict) -> dict:
+        """Checks that cursor is well-formed and usable with this source, without reading.
+
+        Raises:
+            SourceSpecError: If the cursor is malformed or of the wrong type for this source.
+        """
+        return self.check_cursor(expect_cursor(cursor, self.cursor_type, self.source_type))
+
     def check_cursor(self, cursor: dict) -> dict:
-        """Hook for source-specific cursor checks; returns the cursor to read from."""
+        """Hook for source-specific checks of a well-formed cursor; returns the cursor to read from."""
         return cursor
 
     @abstractmethod
-    def _entries(self, cursor: dict, max_items: int) -> Iterator[Entry]:
+    def _entries(self, cursor: dict, max_items: int) -> Generator[Entry, None, None]:
         """Yields (item, cursor after item) from cursor on; see batching.collect."""

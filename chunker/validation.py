@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import reprlib
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from chunker.errors import SourceSpecError
@@ -29,10 +29,14 @@ def check_http_url(url: Any, label: str) -> str:
     """Checks that url is an absolute http(s) URL; never echoes the URL (it may hold secrets)."""
     if not isinstance(url, str) or not url:
         raise SourceSpecError(f"{label} must be a non-empty string, got {type(url).__name__}")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        host, _ = parts.hostname, parts.port  # .port raises ValueError for a bad port
+    except ValueError:
+        raise SourceSpecError(f"{label} is not a valid URL") from None
     if parts.scheme not in ("http", "https"):
         raise SourceSpecError(f"{label} must be an http or https URL, got scheme {parts.scheme!r}")
-    if not parts.hostname:
+    if not host:
         raise SourceSpecError(f"{label} must be an absolute URL with a host")
     return url
 
@@ -58,7 +62,7 @@ class Fields:
         """Returns the human-readable name of a field."""
         return f"{self.what} field {self.prefix + key!r}"
 
-    def fail(self, key: str, problem: str) -> None:
+    def fail(self, key: str, problem: str) -> NoReturn:
         """Raises SourceSpecError for a field."""
         raise SourceSpecError(f"{self.label(key)} {problem}")
 

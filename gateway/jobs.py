@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 import chunker
 from gateway.errors import Conflict, CorruptRecord, FlowVersionMismatch, InvalidRequest, NotFound
 from gateway.flows import FlowRegistry, FlowSpec, validate_source
-from gateway.jobspec import JobSpec, initial_cursor, total_hint
+from gateway.jobspec import JobSpec, initial_cursor, open_source, total_hint
 from gateway.ledger import ABSENT, Ledger
 from gateway.records import loads_or_none
 
@@ -203,7 +203,7 @@ class JobService:
         if spec.external:
             return
         try:
-            chunker.validate_cursor(cursor)
+            open_source(spec.source, inline_items=()).validate_cursor(cursor)
         except chunker.SourceSpecError as exc:
             raise InvalidRequest(f"cursor: {exc}") from exc
 

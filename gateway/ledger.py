@@ -17,6 +17,7 @@ from gateway.errors import (
     Conflict,
     CorruptRecord,
     FatalError,
+    InvalidRequest,
     NotFound,
     SourceUnavailable,
     StaleLease,
@@ -262,6 +263,8 @@ class Ledger:
                  next_cursor: Any = ABSENT, items: list | None = None) -> dict[str, Any]:
         """Commit the leased stage's output: one script, one round trip."""
         spec = self.spec(job_id)
+        if items is not None and not spec.flow.stages[0].fetches:
+            raise InvalidRequest("items may only be sent by a fetching first stage (fetches: true)")
         k = self.keys.job(job_id)
         res = self.scripts.complete(
             keys=[k.job, k.batch(seq), k.items(seq), k.leases, k.done, k.log,
@@ -339,6 +342,8 @@ class Ledger:
             raise CorruptRecord(f"job {job_id} batch {seq} failed its checksum; it will not run")
         if res[0] == "missing":
             raise NotFound(f"job {job_id} has no batch {seq}")
+        if res[0] == "invalid":
+            raise InvalidRequest(res[1])
 
     # -- job control -----------------------------------------------------------------------
 

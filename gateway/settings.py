@@ -6,7 +6,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -30,6 +30,17 @@ class Settings(BaseSettings):
     supervisor_interval: timedelta = timedelta(seconds=1)
     host: str = "127.0.0.1"
     port: int = 8080
+
+    @field_validator("idempotency_ttl", "supervisor_interval", mode="before")
+    @classmethod
+    def _seconds(cls, value: object) -> object:
+        """Durations from the environment may be plain seconds ("0.2") or ISO 8601 ("PT24H")."""
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                return value
+        return value
 
     def token_map(self) -> dict[str, str]:
         """Bearer tokens mapped to tenant names."""

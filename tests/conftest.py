@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from gateway.embedded import EmbeddedRedis, client_for
@@ -80,3 +82,14 @@ def drain(ledger, job_id, output=lambda lease: {"n": len(lease.items or [])}):
         seen.append(lease)
         ledger.complete(job_id, lease.seq, lease.lease_token, output(lease))
     return seen
+
+
+@pytest.fixture
+def api(settings, redis_client):
+    """The gateway app on a real socket (werkzeug, threaded); yields an ApiClient."""
+    from gateway.app import create_app
+    from tests.http import ApiClient, serve_app
+
+    base, stop = serve_app(create_app(settings, redis_client))
+    yield ApiClient(base, TOKEN)
+    stop()

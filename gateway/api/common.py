@@ -57,6 +57,8 @@ def idempotent(view: Callable[..., Any]) -> Callable[..., Any]:
         if replay is not None:
             resp = jsonify(replay[1])
             resp.status_code = replay[0]
+            if replay[0] >= 400:
+                resp.mimetype = "application/problem+json"
             resp.headers["Idempotent-Replayed"] = "true"
             return resp
         try:

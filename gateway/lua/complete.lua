@@ -6,7 +6,7 @@
 -- ARGV[6] number of stages   ARGV[7] log maxlen   ARGV[8] budget total   ARGV[9] tolerated failure %
 -- Returns {'ok', next_stage (-1 = batch committed), job status, attempt, stage}
 --       | {'duplicate', stage, attempt}  (the same lease already committed this stage)
---       | {'stale', status, attempt} | {'corrupt'} | {'missing'}
+--       | {'stale', status, attempt} | {'corrupt'} | {'missing'} | {'invalid', message}
 -- Invariant 1: a stage result is committed at most once. The fencing token is checked, the output
 -- stored, the stage or the low watermark advanced and the log appended, all here.
 local batch = load(KEYS[2])
@@ -19,6 +19,7 @@ if batch['status'] ~= 'leased' or batch['lease_token'] ~= token then
   end
   return {'stale', batch['status'], batch['attempt']}
 end
+if ARGV[4] ~= '' and batch['stage'] ~= '0' then return {'invalid', 'only the first (fetching) stage may send items'} end
 local job = load(KEYS[1])
 if job == false then return {'corrupt'} end
 local now = now_ms()

@@ -3,7 +3,7 @@
 -- KEYS[5+S..] batch:<seq> for the seqs in ARGV[5..]
 -- ARGV[1] number of stages S   ARGV[2] log maxlen   ARGV[3] actor   ARGV[4] 'all' (failed, stuck leases)
 --         or 'failed' (only failed batches: retry-failed)   ARGV[5..] seqs
--- Returns {'ok', reopened count, job status} | {'corrupt'}
+-- Returns {'ok', reopened count, job status after} | {'corrupt'}
 -- Invariant 3: committed batches and committed stages are never re-opened; a re-opened batch resumes
 -- from its recorded start cursor at the first stage it has not committed.
 local job = load(KEYS[1])
@@ -36,8 +36,14 @@ for i = 5, #ARGV do
       'was', was, 'actor', ARGV[3]})
   end
 end
-local chg = {status = 'running', n_failed = int(n_failed), n_open = int(n_open), updated_ms = int(now),
-  finished_ms = '', error = ''}
+local chg = {n_failed = int(n_failed), n_open = int(n_open), updated_ms = int(now)}
+-- resume always runs the job again; retry-failed only when it re-opened something, and never unpauses
+local status = job['status']
+if status ~= 'paused' and (ARGV[4] == 'all' or reopened > 0) then
+  chg['status'] = 'running'
+  chg['finished_ms'] = ''
+  chg['error'] = ''
+end
 save(KEYS[1], job, chg)
 log(KEYS[4], ARGV[2], {'event', 'job_resumed', 'reopened', int(reopened), 'actor', ARGV[3]})
-return {'ok', int(reopened), 'running'}
+return {'ok', int(reopened), job['status']}

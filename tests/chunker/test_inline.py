@@ -10,7 +10,8 @@ import pytest
 from chunker import SourceSpecError, open_source
 from chunker.batching import item_size
 
-ITEMS = [{"id": i, "text": "é" * (i % 7), "tags": ["a"] * (i % 3)} for i in range(41)] + ["ü", None, 3.5, [1, [2]]]
+ITEMS = [{"id": i, "text": "é" * (i % 7), "tags": ["a"] * (i % 3)} for i in range(41)]
+ITEMS += ["ü", None, 3.5, [1, [2]]]
 LIMITS = [(1, None), (3, None), (7, None), (45, None), (100, None), (5, 40), (10, 1), (45, 150), (2, 10_000)]
 
 

@@ -1,0 +1,112 @@
+"""A pull-mode worker for the resume-screening flow: what an n8n or Dify loop does, in Python.
+
+Each thread loops: lease a batch, do its stage, heartbeat while working, complete it.
+  score: one (simulated) paid model call per resume, logged to model_calls.jsonl
+  store: writes the batch's scores to results/<idempotency_key>.json (overwrite = idempotent)
+Every stage attempt started is logged to attempts.jsonl so the demo can count re-runs.
+
+Usage: python worker.py BASE_URL TOKEN JOB_ID WORK_DIR [THREADS]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+SECONDS_PER_RESUME = 0.12
+
+
+def append_line(path: Path, record: dict) -> None:
+    """One O_APPEND write per line: safe across threads and processes."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def score(resume: dict, profile: dict) -> int:
+    """Stand-in for an LLM scoring call: deterministic, slow, and logged as a paid call."""
+    time.sleep(SECONDS_PER_RESUME)
+    overlap = len(set(resume["skills"]) & set(profile["skills"]))
+    noise = int(hashlib.sha1(resume["id"].encode()).hexdigest(), 16) % 10
+    return min(100, overlap * 20 + min(resume["years"], 10) * 3 + noise)
+
+
+class Worker:
+    def __init__(self, base: str, token: str, job_id: str, work: Path) -> None:
+        self.base, self.job_id, self.work = base.rstrip("/"), job_id, work
+        self.http = requests.Session()
+        self.http.headers["Authorization"] = f"Bearer {token}"
+
+    def post(self, path: str, body: dict | None = None) -> requests.Response:
+        return self.http.post(f"{self.base}/v1/jobs/{self.job_id}{path}", json=body or {}, timeout=30)
+
+    def loop(self) -> None:
+        while True:
+            resp = self.post("/lease")
+            if resp.status_code == 204:
+                if resp.headers.get("Batchgate-Job-Status") != "running":
+                    return
+                time.sleep(0.2)
+                continue
+            resp.raise_for_status()
+            self.run(resp.json())
+
+    def run(self, env: dict) -> None:
+        append_line(self.work / "attempts.jsonl",
+                    {"seq": env["seq"], "stage": env["stage"], "attempt": env["attempt"]})
+        if env["stage"] == "score":
+            output = self.score_batch(env)
+        else:
+            output = self.store_batch(env)
+        if output is None:
+            return
+        resp = self.post(f"/batches/{env['seq']}/complete",
+                         {"lease_token": env["lease_token"], "output": output})
+        if resp.status_code == 409:  # our lease expired and someone else owns the batch now
+            return
+        resp.raise_for_status()
+
+    def score_batch(self, env: dict) -> dict | None:
+        scores = {}
+        for resume in env["items"]:
+            scores[resume["id"]] = score(resume, env["params"]["profile"])
+            append_line(self.work / "model_calls.jsonl", {"resume": resume["id"], "seq": env["seq"]})
+            beat = self.post(f"/batches/{env['seq']}/heartbeat",
+                             {"lease_token": env["lease_token"], "progress": {"scored": len(scores)}})
+            if beat.status_code == 409:
+                return None
+        return {"scores": scores}
+
+    def store_batch(self, env: dict) -> dict:
+        results = self.work / "results"
+        target = results / f"{env['idempotency_key'].replace(':', '_')}.json"
+        tmp = target.with_suffix(f".tmp{threading.get_ident()}")
+        tmp.write_text(json.dumps(env["input"]["scores"]))
+        os.replace(tmp, target)
+        return {"stored": len(env["input"]["scores"]), "at": target.name}
+
+
+def main() -> int:
+    base, token, job_id, work = sys.argv[1:5]
+    threads = int(sys.argv[5]) if len(sys.argv) > 5 else 4
+    work_dir = Path(work)
+    (work_dir / "results").mkdir(parents=True, exist_ok=True)
+    pool = [threading.Thread(target=Worker(base, token, job_id, work_dir).loop) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The ``batchgate`` command: up, serve, supervisor, jobs, flows."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from gateway import cli_client
+from gateway.settings import Settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("BATCHGATE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    return args.func(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchgate", description=__doc__)
+    sub = parser.add_subparsers(metavar="command")
+
+    up = sub.add_parser("up", help="all-in-one: embedded Redis (unless BATCHGATE_REDIS_URL), API, supervisor")
+    up.add_argument("--port", type=int, default=None)
+    up.set_defaults(func=cmd_up)
+
+    serve = sub.add_parser("serve", help="the API under gunicorn")
+    serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--workers", type=int, default=2)
+    serve.set_defaults(func=cmd_serve)
+
+    sup = sub.add_parser("supervisor", help="expire leases, recover crashed jobs, apply retention")
+    sup.set_defaults(func=cmd_supervisor)
+
+    cli_client.add_commands(sub)
+    return parser
+
+
+def _serve_forever(procs: list, cleanup) -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.is_set():
+            if any(p.poll() is not None for p in procs):
+                print("batchgate: a child process exited; stopping", file=sys.stderr)
+                break
+            stop.wait(0.5)
+    finally:
+        cleanup()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Embedded Redis + API (gunicorn) + supervisor, stopped together on Ctrl-C."""
+    from gateway import procs
+    from gateway.embedded import connect
+
+    settings = Settings()
+    client, embedded = connect(settings)
+    tokens = settings.token_map()
+    if not tokens:
+        tokens = {procs.dev_token(settings.data_dir): "default"}
+        print(f"batchgate: no BATCHGATE_TOKENS set; a development token for tenant 'default' is in "
+              f"{(settings.data_dir / procs.TOKEN_FILE).resolve()}")
+    url = client.connection_pool.connection_kwargs
+    redis_url = (settings.redis_url.get_secret_value() if settings.redis_url
+                 else f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}")
+    env = procs.child_env(settings, redis_url, tokens)
+    port = args.port or settings.port
+    api = procs.start_api(env, settings.host, port)
+    sup = procs.start_supervisor(env)
+
+    def cleanup() -> None:
+        procs.stop(api)
+        procs.stop(sup)
+        if embedded:
+            embedded.stop()
+
+    try:
+        procs.wait_healthy(f"http://{settings.host}:{port}")
+    except RuntimeError:
+        cleanup()
+        raise
+    print(f"batchgate: API on http://{settings.host}:{port} (Ctrl-C stops everything)")
+    _serve_forever([api, sup], cleanup)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run gunicorn in the foreground (the Dockerfile's command)."""
+    settings = Settings()
+    port = args.port or settings.port
+    os.execvp(sys.executable, [sys.executable, "-m", "gunicorn", "--bind", f"{settings.host}:{port}",
+                               "--workers", str(args.workers), "--threads", "4",
+                               "gateway.app:create_app()"])
+    return 0
+
+
+def cmd_supervisor(args: argparse.Namespace) -> int:
+    """Run the supervisor loop until SIGTERM/SIGINT."""
+    from gateway.embedded import connect
+    from gateway.ledger import Ledger
+    from gateway.supervisor import Supervisor
+
+    settings = Settings()
+    client, embedded = connect(settings)
+    supervisor = Supervisor(Ledger(client, settings))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: supervisor.stop.set())
+    try:
+        supervisor.run()
+    finally:
+        if embedded:
+            embedded.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
