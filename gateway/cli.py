@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("BATCHGATE_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=Settings().log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if not hasattr(args, "func"):
         parser.print_help()

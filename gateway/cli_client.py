@@ -140,14 +140,17 @@ def watch(client: Client, job_id: str, interval_s: float = 0.5, stream=sys.stdou
 
 
 def progress_line(job: dict, width: int = 30) -> str:
-    """``[#####.....]  52% 260/500 items  12.3/s  ETA 20s  running``"""
+    """``[#####.....]  52.0% 260/500 items  12.3/s  ETA 20s  running`` (no bar if total unknown)."""
     done, total = job["items_done"], job.get("items_total")
-    frac = job.get("progress") or 0.0
+    batches = job["batches"]
+    tail = (f"{batches['completed']}/{batches['planned']} batches  "
+            f"{job['rate_items_per_s']:.1f} items/s  {job['status']:<10}")
+    if not total:
+        return f"{done} items  {tail}"
+    frac = min(done / total, 1.0)
     bar = "#" * int(frac * width) + "." * (width - int(frac * width))
-    count = f"{done}/{total}" if total is not None else str(done)
     eta = f"ETA {job['eta_s']:.0f}s" if job.get("eta_s") is not None else "ETA -"
-    return (f"[{bar}] {frac * 100:5.1f}% {count} items  {job['rate_items_per_s']:.1f}/s  {eta}  "
-            f"{job['status']:<10}")
+    return f"[{bar}] {frac * 100:5.1f}% {done}/{total} items  {eta}  {tail}"
 
 
 @_run

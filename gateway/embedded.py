@@ -54,9 +54,10 @@ def client_for(url: str) -> redis.Redis:
 class EmbeddedRedis:
     """A redis-server child process on loopback, data (AOF) under ``data_dir``."""
 
-    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+    def __init__(self, data_dir: Path, port: int | None = None, fsync: str = "everysec") -> None:
         self.data_dir = Path(data_dir).resolve()
         self.port = port
+        self.fsync = fsync
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
@@ -69,7 +70,7 @@ class EmbeddedRedis:
             return reused
         self.port = self.port or free_port()
         args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
-                "--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", "everysec",
+                "--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", self.fsync,
                 "--save", "", "--daemonize", "no", "--logfile", "redis.log",
                 "--protected-mode", "yes"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -141,7 +142,7 @@ def connect(settings: Settings) -> tuple[redis.Redis, EmbeddedRedis | None]:
     """The ledger's Redis: BATCHGATE_REDIS_URL if set, else an embedded server (owned by caller)."""
     if settings.redis_url is not None:
         return client_for(settings.redis_url.get_secret_value()), None
-    embedded = EmbeddedRedis(settings.data_dir)
+    embedded = EmbeddedRedis(settings.data_dir, fsync=settings.embedded_fsync)
     url = embedded.start()
     os.environ.setdefault("BATCHGATE_REDIS_URL", url)
     return client_for(url), embedded

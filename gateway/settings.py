@@ -28,6 +28,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = 10 * 1024 * 1024
     log_maxlen: int = 10_000
     supervisor_interval: timedelta = timedelta(seconds=1)
+    embedded_fsync: Literal["always", "everysec"] = Field(
+        default="everysec", description="appendfsync of the embedded Redis")
+    log_level: str = "INFO"
     host: str = "127.0.0.1"
     port: int = 8080
 

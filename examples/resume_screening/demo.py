@@ -68,6 +68,7 @@ class Demo:
         token = procs.dev_token(self.work)
         env = procs.child_env(settings, url, {token: "demo"})
         env["BATCHGATE_SUPERVISOR_INTERVAL"] = "0.2"
+        env.setdefault("BATCHGATE_LOG_LEVEL", "WARNING")
         port = free_port()
         self.children.append(procs.start_api(env, "127.0.0.1", port))
         self.children.append(procs.start_supervisor(env))
@@ -118,6 +119,7 @@ class Demo:
 
     def kill_midway(self, client: Client, job_id: str, worker: subprocess.Popen) -> set[int]:
         self.watch(client, job_id, until=lambda j: j["items_done"] >= self.kill_at * self.count)
+        time.sleep(0.7)  # let the next batches get some paid calls in before the crash
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
         self.calls_at_kill = len(read_lines(self.work / "model_calls.jsonl"))

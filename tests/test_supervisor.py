@@ -1,0 +1,87 @@
+"""Supervisor: lease expiry, crash recovery in auto and record modes, no double recovery, retention."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+from gateway.embedded import client_for
+from gateway.ledger import Ledger
+from gateway.supervisor import Supervisor
+
+
+def _leased_job(ledger, make_job, leases=3):
+    job_id = make_job(items=list(range(30)), max_items=3, concurrency=10,
+                      stage_defs=[{"name": "score", "lease": 0.1,
+                                   "retry": {"initial_interval": 0.05}}])
+    held = [ledger.lease(job_id) for _ in range(leases)]
+    time.sleep(0.15)
+    return job_id, held
+
+
+def _events(ledger, job_id, event):
+    return [f for _, f in ledger.r.xrange(ledger.keys.job(job_id).log) if f["event"] == event]
+
+
+def test_recovery_auto_returns_dead_leases_to_the_pool(ledger, jobs, make_job):
+    job_id, held = _leased_job(ledger, make_job)
+    report = Supervisor(ledger, name="sup-a").recover()
+    assert report[0]["job_id"] == job_id and sorted(report[0]["expired_now"]) == [0, 1, 2]
+    assert [b["seq"] for b in jobs.batches("acme", job_id, "pending", -1, 10)] == [0, 1, 2]
+    assert _events(ledger, job_id, "job_recovered")[0]["actor"] == "sup-a"
+    time.sleep(0.06)  # the retry backoff
+    again = ledger.lease(job_id)
+    assert (again.seq, again.attempt) == (0, 2)
+
+
+def test_recovery_record_mode_changes_nothing(ledger, jobs, make_job, settings):
+    job_id, held = _leased_job(ledger, make_job)
+    record = Ledger(ledger.r, settings.model_copy(update={"recovery": "record"}))
+    before = [jobs.batch("acme", job_id, s) for s in range(3)]
+    sup = Supervisor(record, name="sup-r")
+    report = sup.recover()
+    assert report == [{"job_id": job_id, "committed_cursor": '{"offset":0,"type":"offset"}',
+                       "leased_batches": [0, 1, 2], "mode": "record"}]
+    sup.tick()
+    assert [jobs.batch("acme", job_id, s) for s in range(3)] == before
+    # once someone touches the job (here: a worker completes a batch), supervision resumes
+    ledger.complete(job_id, 0, held[0].lease_token, {})
+    sup.tick()
+    assert [b["seq"] for b in jobs.batches("acme", job_id, "pending", -1, 10)] == [1, 2]
+
+
+def test_concurrent_supervisors_never_double_recover(ledger, make_job, redis_server):
+    job_ids = [_leased_job(ledger, make_job, leases=5)[0] for _ in range(3)]
+    barrier = threading.Barrier(4)
+
+    def run(i):
+        sup = Supervisor(Ledger(client_for(redis_server.url), ledger.settings), name=f"sup-{i}")
+        barrier.wait()
+        sup.recover()
+        sup.tick()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for job_id in job_ids:
+        retries = Counter(e["seq"] for e in _events(ledger, job_id, "retry_scheduled"))
+        assert retries == {str(s): 1 for s in range(5)}
+        assert len(_events(ledger, job_id, "job_recovered")) == 1
+
+
+def test_retention_expires_succeeded_jobs_but_never_failed_ones(ledger, make_job):
+    from tests.conftest import drain
+
+    ok = make_job(items=list(range(3)), max_items=3, retention=3600)
+    drain(ledger, ok)
+    bad = make_job(items=list(range(3)), max_items=3, retention=3600)
+    lease = ledger.lease(bad)
+    ledger.fail(bad, lease.seq, lease.lease_token, "broken", retryable=False)
+    Supervisor(ledger).tick()
+    assert 0 < ledger.r.pttl(ledger.keys.job(ok).job) <= 3_600_000
+    assert 0 < ledger.r.pttl(ledger.keys.job(ok).batch(0)) <= 3_600_000
+    assert ledger.r.pttl(ledger.keys.job(bad).job) == -1
+    assert not ledger.r.sismember(ledger.keys.active, ok)
