@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import secrets
@@ -122,8 +123,7 @@ class Ledger:
         now = str(int(time.time() * 1000))
         cursor = dumps(first_cursor)
         state = {
-            "tenant": spec.tenant, "flow_id": spec.flow.id, "flow_version": spec.flow.version,
-            "flow_hash": spec.flow_hash, "status": "running", "created_ms": now, "updated_ms": now,
+            "status": "running", "created_ms": now, "updated_ms": now,
             "finished_ms": "", "next_seq": "0", "base_seq": "0", "wm": "0", "frontier": cursor,
             "committed_cursor": cursor, "exhausted": "0", "blocked": "", "n_open": "0",
             "n_done": "0", "n_failed": "0", "items_done": "0", "error": "",
@@ -267,8 +267,7 @@ class Ledger:
             raise InvalidRequest("items may only be sent by a fetching first stage (fetches: true)")
         k = self.keys.job(job_id)
         res = self.scripts.complete(
-            keys=[k.job, k.batch(seq), k.items(seq), k.leases, k.done, k.log,
-                  *[k.ready(i) for i in range(spec.stage_count)]],
+            keys=[k.job, k.batch(seq), k.items(seq), k.leases, k.done, k.log, *self._ready_keys(spec)],
             args=[token, dumps(output), "" if next_cursor is ABSENT else dumps(next_cursor),
                   "" if items is None else dumps(items), len(items or ()), spec.stage_count,
                   self.settings.log_maxlen, spec.budget_total, spec.flow.tolerated_failure_percentage])
@@ -293,13 +292,16 @@ class Ledger:
             retryable = False
         res = self.scripts.fail(
             keys=[k.job, k.batch(seq), k.leases, k.failed, k.log,
-                  *[k.ready(i) for i in range(spec.stage_count)]],
+                  *self._ready_keys(spec)],
             args=[token, message[:2000], "1" if retryable else "0", *self._policy_args(policy),
                   self.settings.log_maxlen, spec.budget_total,
                   spec.flow.tolerated_failure_percentage, actor])
         self._raise_for(res, job_id, seq)
         log.info("stage failed job_id=%s seq=%s attempt=%s outcome=%s", job_id, seq, res[1], res[0])
         return {"job_id": job_id, "seq": seq, "attempt": int(res[1]), "outcome": res[0]}
+
+    def _ready_keys(self, spec: JobSpec) -> tuple[str, ...]:
+        return _ready_keys(self.keys.prefix, spec.job_id, spec.stage_count)
 
     @staticmethod
     def _policy_args(policy: Any) -> list[Any]:
@@ -317,7 +319,7 @@ class Ledger:
             policy = spec.flow.stages[int(self.r.hget(k.batch(int(seq)), "stage") or 0)].retry
             res = self.scripts.expire(
                 keys=[k.job, k.batch(int(seq)), k.leases, k.failed, k.log,
-                      *[k.ready(i) for i in range(spec.stage_count)]],
+                      *self._ready_keys(spec)],
                 args=[seq, *self._policy_args(policy), self.settings.log_maxlen,
                       spec.budget_total, spec.flow.tolerated_failure_percentage, actor])
             if res[0] in ("retry", "failed"):
@@ -371,7 +373,7 @@ class Ledger:
         else:
             seqs = list(range(int(job["wm"]), int(job["next_seq"])))
         res = self.scripts.reopen(
-            keys=[k.job, k.leases, k.failed, k.log, *[k.ready(i) for i in range(spec.stage_count)],
+            keys=[k.job, k.leases, k.failed, k.log, *self._ready_keys(spec),
                   *[k.batch(s) for s in seqs]],
             args=[spec.stage_count, self.settings.log_maxlen, actor,
                   "failed" if only_failed else "all", *seqs])
@@ -388,7 +390,7 @@ class Ledger:
         seqs = list(range(int(job["wm"]), int(job["next_seq"])))
         res = self.scripts.replan(
             keys=[k.job, k.leases, k.failed, k.done, k.log,
-                  *[k.ready(i) for i in range(spec.stage_count)], *[k.batch(s) for s in seqs]],
+                  *self._ready_keys(spec), *[k.batch(s) for s in seqs]],
             args=[spec.stage_count, dumps(cursor), self.settings.log_maxlen, actor, reason, *seqs])
         if res[0] == "corrupt":
             raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
@@ -403,7 +405,7 @@ class Ledger:
         k = self.keys.job(job_id)
         planned = int(self.job_fields(job_id)["next_seq"])
         return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.recover,
-                *[k.ready(i) for i in range(spec.stage_count)],
+                *self._ready_keys(spec),
                 *[key for s in range(planned) for key in (k.batch(s), k.items(s))]]
 
     def expire_job(self, job_id: str, retention: timedelta) -> None:
@@ -421,6 +423,12 @@ class Ledger:
             pipe.persist(key)
         pipe.execute()
         self.r.sadd(self.keys.active, job_id)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ready_keys(prefix: str, job_id: str, stage_count: int) -> tuple[str, ...]:
+    k = Keys(prefix).job(job_id)
+    return tuple(k.ready(i) for i in range(stage_count))
 
 
 class RedisListView:

@@ -15,42 +15,50 @@ if batch == nil then return {'missing'} end
 local token = ARGV[1]
 if batch['status'] ~= 'leased' or batch['lease_token'] ~= token then
   for i = 0, tonumber(ARGV[6]) - 1 do
-    if batch['ctok:' .. i] == token then return {'duplicate', int(i), batch['cat:' .. i]} end
+    local committed = batch['c:' .. i]
+    if committed and string.sub(committed, -#token - 1) == ' ' .. token then
+      return {'duplicate', int(i), string.match(committed, '^(%d+)')}
+    end
   end
   return {'stale', batch['status'], batch['attempt']}
 end
 if ARGV[4] ~= '' and batch['stage'] ~= '0' then return {'invalid', 'only the first (fetching) stage may send items'} end
-local job = load(KEYS[1])
-if job == false then return {'corrupt'} end
 local now = now_ms()
 local seq = batch['seq']
 local attempt = batch['attempt']
 local stage = tonumber(batch['stage'])
 local nstages = tonumber(ARGV[6])
-local bchg = {lease_token = '', deadline_ms = '', error = ''}
+local next_stage = stage + 1
+local sets_cursor = ARGV[3] ~= '' and batch['end_cursor'] == ''
+-- the job record changes only when the batch is committed or its fetch stage moves the frontier
+local job, jchg = nil, nil
+if next_stage >= nstages or sets_cursor then
+  job = load(KEYS[1])
+  if not job then return {'corrupt'} end
+  jchg = {updated_ms = int(now)}
+end
+-- status leaves 'leased' below, which voids the token; the committing token is kept for duplicates
+local bchg = {}
+if batch['error'] ~= '' then bchg['error'] = '' end
 bchg['out:' .. stage] = ARGV[2]
 bchg['st:' .. stage] = 'completed'
-bchg['ctok:' .. stage] = token
-bchg['cat:' .. stage] = attempt
-local jchg = {updated_ms = int(now)}
+bchg['c:' .. stage] = attempt .. ' ' .. token
 redis.call('ZREM', KEYS[4], seq)
 if ARGV[4] ~= '' then
   redis.call('SET', KEYS[3], ARGV[4])
   bchg['n_items'] = ARGV[5]
 end
-if ARGV[3] ~= '' and batch['end_cursor'] == '' then
+if sets_cursor then
   bchg['end_cursor'] = ARGV[3]
   if job['blocked'] == seq then
     jchg['blocked'] = ''
     if ARGV[3] == 'null' then jchg['exhausted'] = '1' else jchg['frontier'] = ARGV[3] end
   end
 end
-local next_stage = stage + 1
 if next_stage < nstages then
   bchg['stage'] = int(next_stage)
   bchg['status'] = 'pending'
   bchg['attempt'] = '0'
-  bchg['ready_ms'] = int(now)
   redis.call('ZADD', KEYS[7 + next_stage], now, seq)
 else
   next_stage = -1
@@ -81,7 +89,7 @@ else
   finish_changes(job, jchg, now, ARGV[8], tonumber(ARGV[9]))
 end
 save(KEYS[2], batch, bchg)
-save(KEYS[1], job, jchg)
+if job then save(KEYS[1], job, jchg) end
 log(KEYS[6], ARGV[7], {'event', 'stage_completed', 'seq', seq, 'stage', int(stage),
   'attempt', attempt, 'duration_ms', int(now - tonumber(batch['leased_ms']))})
-return {'ok', int(next_stage), job['status'], attempt, int(stage)}
+return {'ok', int(next_stage), job and job['status'] or 'running', attempt, int(stage)}

@@ -3,7 +3,7 @@
 -- KEYS[6] log   KEYS[7] failed
 -- ARGV[1] seq   ARGV[2] stage   ARGV[3] lease length (ms)   ARGV[4] new lease token
 -- ARGV[5] concurrency   ARGV[6] log maxlen   ARGV[7] budget total   ARGV[8] tolerated failure %
--- Returns {'ok', attempt, deadline_ms, start_cursor, end_cursor, items, input, created_ms}
+-- Returns {'ok', attempt, deadline_ms, start_cursor, end_cursor, items, input}
 --       | {'busy'} | {'raced'} | {'status', s} | {'corrupt', 'job'|'batch'}
 -- Invariant: one batch stage is leased to at most one holder; the attempt (fencing token) rises by one
 -- per lease; at most <concurrency> batches of a job are leased at once.

@@ -28,7 +28,7 @@ end
 local batch = {}
 save(KEYS[2], batch, {seq = seq, status = 'pending', stage = '0', attempt = '0',
   start_cursor = ARGV[2], end_cursor = ARGV[3], n_items = int(n_items), lease_token = '',
-  deadline_ms = '', ready_ms = int(now), created_ms = int(now), error = ''})
+  deadline_ms = '', error = ''})
 if ARGV[5] ~= '' then redis.call('SET', KEYS[3], ARGV[5]) end
 redis.call('ZADD', KEYS[4], now, seq)
 local chg = {next_seq = int(tonumber(seq) + 1), n_open = int(tonumber(job['n_open']) + 1),
