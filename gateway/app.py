@@ -42,6 +42,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     if client is None:
         client, _ = connect(settings)
     ledger = Ledger(client, settings)
+    ledger.check_digest_agreement()
     registry = FlowRegistry(client, ledger.keys)
     app = Flask("batchgate")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes

@@ -73,8 +73,10 @@ class EmbeddedRedis:
                 "--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", self.fsync,
                 "--save", "", "--daemonize", "no", "--logfile", "redis.log",
                 "--protected-mode", "yes"]
+        # C collation: Lua's string order must match Python's for record checksums
+        env = {**os.environ, "LC_ALL": "C"}
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._wait_ready(timeout_s)
         (self.data_dir / STATE_FILE).write_text(json.dumps({"url": self.url, "pid": self.proc.pid}))

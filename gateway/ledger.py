@@ -25,7 +25,7 @@ from gateway.errors import (
 )
 from gateway.jobspec import JobSpec, open_source
 from gateway.keys import JobKeys, Keys
-from gateway.records import dumps, intact, loads_or_none, seal
+from gateway.records import digest, dumps, intact, loads_or_none, seal
 from gateway.scripts import Scripts
 from gateway.settings import Settings
 
@@ -88,6 +88,19 @@ class Ledger:
         self.keys = Keys(settings.key_prefix)
         self.scripts = Scripts.register(client)
         self._specs: dict[str, JobSpec] = {}
+        self._checked = False
+
+    def check_digest_agreement(self) -> None:
+        """Fail loudly if Redis's Lua sorts differently from Python (non-C collation)."""
+        if self._checked:
+            return
+        sample = {"n_done": "1", "next_seq": "2", "st:0": "x", "start_cursor": "{}", "c:0": "1 t",
+                  "committed_cursor": "null", "B": "upper", "a-b": "dash", "a_b": "underscore"}
+        flat = [part for pair in sample.items() for part in pair]
+        if self.scripts.selfcheck(keys=[], args=flat) != digest(sample):
+            raise RuntimeError("this Redis's Lua sorts strings in another order than Python (is it "
+                               "running under a non-C locale?); run redis-server with LC_ALL=C")
+        self._checked = True
 
     # -- records ---------------------------------------------------------------------------
 

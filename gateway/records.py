@@ -10,11 +10,9 @@ EXCLUDED = ("checksum", "corrupt")
 
 
 def digest(fields: dict[str, str]) -> str:
-    """sha1 over the fields sorted by name, NUL separated, as ``digest`` in lib.lua."""
-    parts: list[str] = []
-    for name in sorted(n for n in fields if n not in EXCLUDED):
-        parts += [name, fields[name]]
-    return hashlib.sha1("\0".join(parts).encode("utf-8", "surrogateescape")).hexdigest()
+    """sha1 over the sorted 'name NUL value' entries joined by NUL, as ``digest`` in lib.lua."""
+    entries = sorted(f"{name}\0{value}" for name, value in fields.items() if name not in EXCLUDED)
+    return hashlib.sha1("\0".join(entries).encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def seal(fields: dict[str, str]) -> dict[str, str]:

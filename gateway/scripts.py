@@ -8,7 +8,9 @@ from importlib import resources
 import redis
 from redis.commands.core import Script
 
-OPERATIONS = ("plan", "lease", "heartbeat", "complete", "fail", "expire", "reopen", "replan", "set_status")
+OPERATIONS = (
+    "plan", "lease", "heartbeat", "complete", "fail", "expire", "reopen", "replan", "set_status", "selfcheck",
+)
 
 
 def source(name: str) -> str:
@@ -30,6 +32,7 @@ class Scripts:
     reopen: Script
     replan: Script
     set_status: Script
+    selfcheck: Script
 
     @classmethod
     def register(cls, client: redis.Redis) -> "Scripts":

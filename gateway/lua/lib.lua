@@ -10,20 +10,15 @@ local function int(n)
   return string.format('%d', n)
 end
 
--- Checksum of a record: sha1 over its fields sorted by name, 'checksum' and 'corrupt' excluded.
--- gateway/records.py computes the same digest in Python.
+-- Checksum of a record: sha1 over its 'name NUL value' entries in sorted order, joined by NUL;
+-- 'checksum' and 'corrupt' excluded. gateway/records.py computes the same digest in Python.
 local function digest(map)
-  local names = {}
-  for name, _ in pairs(map) do
-    if name ~= 'checksum' and name ~= 'corrupt' then names[#names + 1] = name end
+  local entries = {}
+  for name, value in pairs(map) do
+    if name ~= 'checksum' and name ~= 'corrupt' then entries[#entries + 1] = name .. '\0' .. value end
   end
-  table.sort(names)
-  local parts = {}
-  for _, name in ipairs(names) do
-    parts[#parts + 1] = name
-    parts[#parts + 1] = map[name]
-  end
-  return redis.sha1hex(table.concat(parts, '\0'))
+  table.sort(entries)
+  return redis.sha1hex(table.concat(entries, '\0'))
 end
 
 -- Load a hash as a table. Returns nil when absent, false when it fails its checksum
