@@ -49,7 +49,8 @@ def batch(job_id: str, seq: int):
 def job_log(job_id: str):
     """Execution log entries, oldest first, after stream id ``after``."""
     services = request_services()
-    services.jobs.owned_spec(g.tenant, job_id)
+    spec = services.jobs.owned_spec(g.tenant, job_id)
+    names = [s.name for s in spec.flow.stages]
     after = request.args.get("after", "-")
     limit = query_int("limit", 200, 1, 10_000)
     start = "-" if after == "-" else f"({after}"
@@ -57,7 +58,13 @@ def job_log(job_id: str):
         entries = services.redis.xrange(services.ledger.keys.job(job_id).log, start, "+", count=limit)
     except redis.ResponseError as exc:  # a malformed stream id from the caller
         raise InvalidRequest("after must be a log entry id such as 1700000000000-0") from exc
-    return jsonify({"entries": [{"id": i, **fields} for i, fields in entries]})
+    def named(fields: dict[str, str]) -> dict[str, str]:
+        stage = fields.get("stage")
+        if stage is not None and stage.isdigit() and int(stage) < len(names):
+            return {**fields, "stage": names[int(stage)]}
+        return fields
+
+    return jsonify({"entries": [{"id": i, **named(fields)} for i, fields in entries]})
 
 
 @bp.post("/<job_id>/pause")
