@@ -12,6 +12,7 @@ import redis
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 import chunker
+import connectors
 from gateway.errors import FlowConflict, NotFound
 from gateway.keys import Keys
 from gateway.records import dumps
@@ -41,6 +42,19 @@ class Stage(BaseModel):
     lease: timedelta = Field(default=timedelta(seconds=60), description="time a holder has per attempt")
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
     fetches: bool = Field(default=False, description="this stage yields the batch's items and next cursor")
+    target: dict[str, Any] | None = Field(
+        default=None, description="push mode: the platform workflow batchgate triggers (connectors/)")
+    idempotent: bool = Field(
+        default=False, description="safe to re-run after a failure that may have had effects")
+    timeout: timedelta = Field(default=timedelta(seconds=30), description="per outbound call")
+    poll_interval: timedelta = Field(default=timedelta(seconds=2))
+
+    @field_validator("target")
+    @classmethod
+    def _valid_target(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        return connectors.validate_target(value)
 
     @field_validator("lease")
     @classmethod

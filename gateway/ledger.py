@@ -156,10 +156,19 @@ class Ledger:
     # -- pull mode -------------------------------------------------------------------------
 
     def lease(self, job_id: str, stage: str | None = None) -> Lease | None:
-        """Lease the next ready batch stage (planning a new batch if needed); None if none is ready."""
+        """Lease the next ready pull-mode stage (planning a new batch if needed); None if none is ready.
+
+        Stages with a platform ``target`` are left to the dispatcher (push mode).
+        """
+        spec = self.spec(job_id)
+        return self.lease_stages(job_id, self._stage_filter(spec, stage))
+
+    def lease_stages(self, job_id: str, stages: list[int]) -> Lease | None:
+        """Lease the next ready batch at one of ``stages`` (indices)."""
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
-        stages = self._stage_filter(spec, stage)
+        if not stages:
+            return None
         for _ in range(MAX_RACES):
             job = self._runnable(job_id)
             if job is None:
@@ -184,11 +193,14 @@ class Ledger:
         return None
 
     def _stage_filter(self, spec: JobSpec, stage: str | None) -> list[int]:
+        pull = [i for i, s in enumerate(spec.flow.stages) if s.target is None]
         if stage is None:
-            return list(range(spec.stage_count))
+            return pull
         idx = spec.stage_index(stage)
         if idx is None:
             raise NotFound(f"job {spec.job_id} has no stage {stage!r}")
+        if idx not in pull:
+            raise Conflict(f"stage {stage!r} is run by batchgate (push mode); it cannot be leased")
         return [idx]
 
     def _runnable(self, job_id: str) -> dict[str, str] | None:
@@ -295,7 +307,8 @@ class Ledger:
                 "attempt": attempt, "status": "committed", "duplicate": res[0] == "duplicate"}
 
     def fail(self, job_id: str, seq: int, token: str, message: str, retryable: bool = True,
-             error_type: str | None = None, actor: str = "worker") -> dict[str, Any]:
+             error_type: str | None = None, actor: str = "worker",
+             min_delay: timedelta | None = None) -> dict[str, Any]:
         """Record a failed attempt: retried with backoff, or failed for good."""
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
@@ -308,7 +321,8 @@ class Ledger:
                   *self._ready_keys(spec)],
             args=[token, message[:2000], "1" if retryable else "0", *self._policy_args(policy),
                   self.settings.log_maxlen, spec.budget_total,
-                  spec.flow.tolerated_failure_percentage, actor])
+                  spec.flow.tolerated_failure_percentage, actor,
+                  int(min_delay.total_seconds() * 1000) if min_delay else 0])
         self._raise_for(res, job_id, seq)
         log.info("stage failed job_id=%s seq=%s attempt=%s outcome=%s", job_id, seq, res[1], res[0])
         return {"job_id": job_id, "seq": seq, "attempt": int(res[1]), "outcome": res[0]}
@@ -340,6 +354,15 @@ class Ledger:
                          job_id, seq, res[1], res[0])
                 out.append((int(seq), res[0]))
         return out
+
+    def note(self, job_id: str, event: str, **fields: Any) -> None:
+        """Append an event (platform ids, call outcomes) to the job's capped log."""
+        entry = {"event": event, **{k: str(v) for k, v in fields.items() if v is not None}}
+        self.r.xadd(self.keys.job(job_id).log, entry, maxlen=self.settings.log_maxlen, approximate=True)
+
+    def batch_record(self, job_id: str, seq: int) -> dict[str, str]:
+        """The batch hash as stored."""
+        return self._batch_fields(job_id, seq)
 
     def _batch_fields(self, job_id: str, seq: int) -> dict[str, str]:
         fields = self.r.hgetall(self.keys.job(job_id).batch(seq))
@@ -389,7 +412,8 @@ class Ledger:
             keys=[k.job, k.leases, k.failed, k.log, *self._ready_keys(spec),
                   *[k.batch(s) for s in seqs]],
             args=[spec.stage_count, self.settings.log_maxlen, actor,
-                  "failed" if only_failed else "all", *seqs])
+                  "failed" if only_failed else "all", spec.budget_total,
+                  spec.flow.tolerated_failure_percentage, *seqs])
         if res[0] == "corrupt":
             raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
         self.persist_job(job_id)
@@ -403,7 +427,7 @@ class Ledger:
         seqs = list(range(int(job["wm"]), int(job["next_seq"])))
         res = self.scripts.replan(
             keys=[k.job, k.leases, k.failed, k.done, k.log,
-                  *self._ready_keys(spec), *[k.batch(s) for s in seqs]],
+                  *self._ready_keys(spec), *[key for s in seqs for key in (k.batch(s), k.items(s))]],
             args=[spec.stage_count, dumps(cursor), self.settings.log_maxlen, actor, reason, *seqs])
         if res[0] == "corrupt":
             raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")

@@ -4,7 +4,7 @@
 -- ARGV[1] lease token   ARGV[2] message   ARGV[3] '1' retryable / '0' fatal   ARGV[4] maximum attempts
 -- ARGV[5] initial interval (ms)   ARGV[6] backoff coefficient   ARGV[7] maximum interval (ms)
 -- ARGV[8] jitter in [0,1)   ARGV[9] log maxlen   ARGV[10] budget total   ARGV[11] tolerated failure %
--- ARGV[12] actor
+-- ARGV[12] actor   ARGV[13] minimum delay before the retry (ms; Retry-After)
 -- Returns {'retry'|'failed', attempt, job status} | {'stale', status, attempt} | {'corrupt'} | {'missing'}
 -- Invariant: only the current lease holder can fail an attempt; a batch out of attempts or with a fatal
 -- error fails for good and the failure budget decides the job.
@@ -21,5 +21,6 @@ local k = {job = KEYS[1], batch = KEYS[2], leases = KEYS[3], failed = KEYS[4], l
 local outcome = fail_attempt(k, job, batch, batch['seq'], {now = now_ms(), message = ARGV[2],
   retryable = ARGV[3] == '1', max_attempts = tonumber(ARGV[4]), initial_ms = tonumber(ARGV[5]),
   coef = tonumber(ARGV[6]), max_ms = tonumber(ARGV[7]), jitter = tonumber(ARGV[8]), maxlen = ARGV[9],
-  budget_total = ARGV[10], tolerated_pct = tonumber(ARGV[11]), actor = ARGV[12]})
+  budget_total = ARGV[10], tolerated_pct = tonumber(ARGV[11]), actor = ARGV[12],
+  min_delay_ms = tonumber(ARGV[13])})
 return {outcome, batch['attempt'], job['status']}

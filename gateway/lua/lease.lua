@@ -21,8 +21,8 @@ if not batch then
   -- Corrupt (or vanished) batch: never run it; it counts as a failed batch.
   redis.call('ZREM', KEYS[4], seq)
   redis.call('ZADD', KEYS[7], seq, seq)
-  local chg = {n_failed = int(tonumber(job['n_failed']) + 1), n_open = int(tonumber(job['n_open']) - 1)}
-  finish_changes(job, chg, now, ARGV[7], tonumber(ARGV[8]))
+  local chg = {updated_ms = int(now)}
+  failed_for_good(job, chg, seq, now, ARGV[7], tonumber(ARGV[8]))
   save(KEYS[1], job, chg)
   log(KEYS[6], ARGV[6], {'event', 'batch_corrupt', 'seq', seq, 'error', 'checksum mismatch'})
   return {'corrupt', 'batch'}

@@ -89,6 +89,27 @@ local function finish_changes(job, changes, now, budget_total, tolerated_pct)
   end
 end
 
+-- Job bookkeeping for a batch that failed for good (out of attempts, fatal, or corrupt). A batch whose
+-- fetch stage was to yield the next cursor leaves the rest of the source unreachable: the job fails
+-- (retry-failed re-opens the batch). Otherwise the failure budget decides.
+local function failed_for_good(job, jchg, seq, now, budget_total, tolerated_pct)
+  jchg['n_failed'] = int(tonumber(job['n_failed']) + 1)
+  jchg['n_open'] = int(tonumber(job['n_open']) - 1)
+  if job['status'] ~= 'running' and job['status'] ~= 'paused' then return end
+  local merged = {next_seq = job['next_seq'], base_seq = job['base_seq'], n_failed = jchg['n_failed']}
+  if job['blocked'] == seq then
+    jchg['status'] = 'failed'
+    jchg['error'] = 'batch ' .. seq .. ' failed before its fetch stage gave the next cursor'
+    jchg['finished_ms'] = int(now)
+  elseif over_budget(merged, budget_total, tolerated_pct) then
+    jchg['status'] = 'failed'
+    jchg['error'] = 'failure budget exceeded at batch ' .. seq
+    jchg['finished_ms'] = int(now)
+  else
+    finish_changes(job, jchg, now, budget_total, tolerated_pct)
+  end
+end
+
 -- A stage attempt failed (reported, or its lease expired). Retry with backoff while
 -- attempts remain and the error is retryable; otherwise the batch fails for good and
 -- the failure budget decides the job. Returns 'retry' or 'failed'.
@@ -102,7 +123,8 @@ local function fail_attempt(k, job, batch, seq, p)
   local jchg = {updated_ms = int(now)}
   local outcome
   if p.retryable and attempt < p.max_attempts then
-    local ready_at = now + backoff_ms(attempt, p.initial_ms, p.coef, p.max_ms, p.jitter)
+    local ready_at = now + math.max(backoff_ms(attempt, p.initial_ms, p.coef, p.max_ms, p.jitter),
+      p.min_delay_ms or 0)
     bchg['status'] = 'pending'
     bchg['ready_ms'] = int(ready_at)
     redis.call('ZADD', k.ready[tonumber(stage) + 1], ready_at, seq)
@@ -110,16 +132,7 @@ local function fail_attempt(k, job, batch, seq, p)
   else
     bchg['status'] = 'failed'
     redis.call('ZADD', k.failed, seq, seq)
-    jchg['n_failed'] = int(tonumber(job['n_failed']) + 1)
-    jchg['n_open'] = int(tonumber(job['n_open']) - 1)
-    local merged = {next_seq = job['next_seq'], base_seq = job['base_seq'], n_failed = jchg['n_failed']}
-    if job['status'] == 'running' and over_budget(merged, p.budget_total, p.tolerated_pct) then
-      jchg['status'] = 'failed'
-      jchg['error'] = 'failure budget exceeded at batch ' .. seq
-      jchg['finished_ms'] = int(now)
-    else
-      finish_changes(job, jchg, now, p.budget_total, p.tolerated_pct)
-    end
+    failed_for_good(job, jchg, seq, now, p.budget_total, p.tolerated_pct)
     outcome = 'failed'
   end
   save(k.batch, batch, bchg)

@@ -1,6 +1,6 @@
 -- replan.lua: restart a job's planning from a cursor the caller names (rewind, or skip a bad range).
 -- KEYS[1] job   KEYS[2] leases   KEYS[3] failed   KEYS[4] done   KEYS[5] log
--- KEYS[6..5+S] ready:0..ready:S-1   KEYS[6+S..] batch:<seq> for the seqs in ARGV[6..]
+-- KEYS[6..5+S] ready:0..ready:S-1   KEYS[6+S..] batch:<seq>, items:<seq> pairs for the seqs in ARGV[6..]
 -- ARGV[1] number of stages S   ARGV[2] cursor (JSON)   ARGV[3] log maxlen   ARGV[4] actor   ARGV[5] reason
 -- ARGV[6..] seqs of the uncommitted window (watermark .. next_seq-1)
 -- Returns {'ok', superseded count, new first seq} | {'corrupt'}
@@ -13,11 +13,12 @@ local nstages = tonumber(ARGV[1])
 local first_batch = 6 + nstages
 local superseded = 0
 for i = 6, #ARGV do
-  local key = KEYS[first_batch + i - 6]
+  local key = KEYS[first_batch + 2 * (i - 6)]
   local seq = ARGV[i]
   local batch = load(key)
   if batch and batch['status'] ~= 'completed' and batch['status'] ~= 'superseded' then
     save(key, batch, {status = 'superseded', lease_token = '', deadline_ms = ''})
+    redis.call('DEL', KEYS[first_batch + 2 * (i - 6) + 1])
     superseded = superseded + 1
   end
   redis.call('ZREM', KEYS[2], seq)
