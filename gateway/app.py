@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 from flask import Flask, Response, current_app, g, jsonify, request
@@ -19,6 +20,7 @@ from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
 PROBLEM = "application/problem+json"
+SIGNED_URL_PATHS = ("/v1/callbacks/", "/v1/blobs/")  # authenticated by their signed token
 
 
 @dataclass
@@ -31,11 +33,13 @@ class Services:
     flows: FlowRegistry
     jobs: JobService
     idempotency: IdempotencyStore
+    dispatcher: Any = None
 
 
 def create_app(settings: Settings | None = None, client: redis.Redis | None = None) -> Flask:
     """Build the WSGI app; with no client, connect as settings say (embedded Redis if unset)."""
-    from gateway.api import flows, health, jobs, pull
+    from gateway.api import callbacks, flows, health, jobs, pull
+    from gateway.dispatch import Dispatcher
     from gateway.embedded import connect
 
     settings = settings or Settings()
@@ -49,8 +53,9 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     app.extensions["batchgate"] = Services(
         settings=settings, redis=client, ledger=ledger, flows=registry,
         jobs=JobService(ledger, registry),
-        idempotency=IdempotencyStore(client, ledger.keys, settings.idempotency_ttl))
-    for bp in (health.bp, flows.bp, jobs.bp, pull.bp):
+        idempotency=IdempotencyStore(client, ledger.keys, settings.idempotency_ttl),
+        dispatcher=Dispatcher.build(settings, ledger) if settings.redis_url else None)
+    for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp):
         app.register_blueprint(bp)
     app.before_request(_authenticate)
     _register_errors(app)
@@ -58,7 +63,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
 
 
 def _authenticate() -> None:
-    if not request.path.startswith("/v1/"):
+    if not request.path.startswith("/v1/") or request.path.startswith(SIGNED_URL_PATHS):
         return
     services: Services = request_services()
     header = request.headers.get("Authorization", "")

@@ -9,6 +9,8 @@ import signal
 import sys
 import threading
 
+from pydantic import SecretStr
+
 from gateway import cli_client
 from gateway.settings import Settings
 
@@ -40,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sup = sub.add_parser("supervisor", help="expire leases, recover crashed jobs, apply retention")
     sup.set_defaults(func=cmd_supervisor)
+
+    worker = sub.add_parser("worker", help="RQ worker (with RQ's scheduler) running push-mode stages")
+    worker.add_argument("--burst", action="store_true", help="exit when the queue is empty")
+    worker.set_defaults(func=cmd_worker)
 
     cli_client.add_commands(sub)
     return parser
@@ -78,10 +84,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     port = args.port or settings.port
     api = procs.start_api(env, settings.host, port)
     sup = procs.start_supervisor(env)
+    worker = procs.start_worker(env)
 
     def cleanup() -> None:
         procs.stop(api)
         procs.stop(sup)
+        procs.stop(worker)
         if embedded:
             embedded.stop()
 
@@ -91,7 +99,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         cleanup()
         raise
     print(f"batchgate: API on http://{settings.host}:{port} (Ctrl-C stops everything)")
-    _serve_forever([api, sup], cleanup)
+    _serve_forever([api, sup, worker], cleanup)
     return 0
 
 
@@ -105,6 +113,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def embedded_url(client) -> SecretStr:
+    kw = client.connection_pool.connection_kwargs
+    return SecretStr(f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}")
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """One RQ worker on the batchgate queue, JSON serializer, scheduler on."""
+    from rq import Worker
+    from rq.serializers import JSONSerializer
+
+    from gateway.dispatch import dispatcher
+
+    d = dispatcher()
+    worker = Worker([d.queue], connection=d.queue.connection, serializer=JSONSerializer)
+    worker.work(with_scheduler=True, burst=args.burst, logging_level=Settings().log_level.upper())
+    return 0
+
+
 def cmd_supervisor(args: argparse.Namespace) -> int:
     """Run the supervisor loop until SIGTERM/SIGINT."""
     from gateway.embedded import connect
@@ -113,7 +139,13 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
 
     settings = Settings()
     client, embedded = connect(settings)
-    supervisor = Supervisor(Ledger(client, settings))
+    from gateway.dispatch import Dispatcher
+
+    ledger = Ledger(client, settings)
+    ledger.check_digest_agreement()
+    if settings.redis_url is None:
+        settings = settings.model_copy(update={"redis_url": embedded_url(client)})
+    supervisor = Supervisor(ledger, dispatcher=Dispatcher.build(settings, ledger))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: supervisor.stop.set())
     try:

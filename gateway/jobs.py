@@ -99,6 +99,7 @@ class JobService:
             "flow": {"id": spec.flow.id, "version": spec.flow.version, "hash": spec.flow_hash},
             "params": spec.params,
             "stages": [s.name for s in spec.flow.stages],
+            "push_stages": [s.name for s in spec.flow.stages if s.target is not None],
             "committed_cursor": loads_or_none(job["committed_cursor"]),
             "committed_seq": int(job["wm"]) - 1,
             "batches": {"planned": int(job["next_seq"]), "completed": int(job["n_done"]),

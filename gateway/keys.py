@@ -27,6 +27,8 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
 ``<p>:active``                        set     job ids the supervisor watches
 ``<p>:idem:<tenant>:<sha256>``        hash    Idempotency-Key record; TTL ``idempotency_ttl``
 ``<p>:idemclaim:<tenant>:<sha256>``   string  first claim of that key (request fingerprint)
+``<p>:target:<id>:slots``             zset    calls in flight to one platform target; score = expiry
+``<p>:target:<id>:cooldown``          string  set while a target asked us to back off (Retry-After)
 ===================================  ======  ===============================================
 """
 
@@ -114,6 +116,12 @@ class Keys:
     def idempotency(self, tenant: str, key: str) -> str:
         digest = hashlib.sha256(key.encode()).hexdigest()
         return f"{self.prefix}:idem:{tenant}:{digest}"
+
+    def target_slots(self, target_id: str) -> str:
+        return f"{self.prefix}:target:{target_id}:slots"
+
+    def target_cooldown(self, target_id: str) -> str:
+        return f"{self.prefix}:target:{target_id}:cooldown"
 
     def idempotency_claim(self, tenant: str, key: str) -> str:
         digest = hashlib.sha256(key.encode()).hexdigest()

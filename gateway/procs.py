@@ -38,6 +38,8 @@ def child_env(settings: Settings, redis_url: str, tokens: dict[str, str]) -> dic
     env["BATCHGATE_TOKENS"] = json.dumps(tokens)
     env["BATCHGATE_KEY_PREFIX"] = settings.key_prefix
     env["BATCHGATE_RECOVERY"] = settings.recovery
+    env["BATCHGATE_SIGNING_KEY"] = settings.signing_secret().decode()
+    env["BATCHGATE_DATA_DIR"] = str(Path(settings.data_dir).resolve())
     return env
 
 
@@ -51,6 +53,12 @@ def start_api(env: dict[str, str], host: str, port: int, workers: int = 2) -> su
 
 def start_supervisor(env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "gateway.cli", "supervisor"], env=env,
+                            start_new_session=True)
+
+
+def start_worker(env: dict[str, str]) -> subprocess.Popen:
+    """``batchgate worker``: RQ worker for push-mode stages."""
+    return subprocess.Popen([sys.executable, "-m", "gateway.cli", "worker"], env=env,
                             start_new_session=True)
 
 

@@ -10,6 +10,7 @@ from redis.commands.core import Script
 
 OPERATIONS = (
     "plan", "lease", "heartbeat", "complete", "fail", "expire", "reopen", "replan", "set_status", "selfcheck",
+    "slot",
 )
 
 
@@ -33,6 +34,7 @@ class Scripts:
     replan: Script
     set_status: Script
     selfcheck: Script
+    slot: Script
 
     @classmethod
     def register(cls, client: redis.Redis) -> "Scripts":

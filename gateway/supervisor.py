@@ -27,8 +27,9 @@ RECOVERY_CLAIM_MS = 60_000
 class Supervisor:
     """One supervisor process (or thread); ``run`` loops until ``stop`` is set."""
 
-    def __init__(self, ledger: Ledger, name: str | None = None) -> None:
+    def __init__(self, ledger: Ledger, name: str | None = None, dispatcher: Any = None) -> None:
         self.ledger = ledger
+        self.dispatcher = dispatcher
         self.settings = ledger.settings
         self.name = name or f"supervisor@{socket.gethostname()}:{os.getpid()}"
         self.stop = threading.Event()
@@ -87,6 +88,8 @@ class Supervisor:
             elif job["status"] in ("running", "paused"):
                 self._held.pop(job_id, None)
                 self.ledger.expire_due(job_id, actor=self.name)
+                if self.dispatcher is not None and job["status"] == "running":
+                    self.dispatcher.pump(job_id)
 
     def _retire(self, job_id: str, status: str) -> None:
         if status != "failed":

@@ -18,7 +18,11 @@ bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 @idempotent
 def create():
     req = parse(JobRequest, json_body(), "job request")
-    return request_services().jobs.create(g.tenant, req), 201
+    services = request_services()
+    view = services.jobs.create(g.tenant, req)
+    if services.dispatcher is not None and view["push_stages"]:
+        services.dispatcher.kick(view["job_id"])
+    return view, 201
 
 
 @bp.get("")

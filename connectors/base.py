@@ -1,0 +1,226 @@
+"""The connector interface: trigger a stage on a platform, read its callback, poll a run, classify failures.
+
+Pure: no Flask, no RQ, no Redis. The gateway builds a :class:`StageCall` from the ledger's lease, calls
+``trigger``, and acts on the :class:`Outcome`:
+
+- ``Done``: the platform answered with the stage's result (sync mode): commit it or take the failure path.
+- ``Accepted``: the platform took the call and will post the answer to ``callback_url`` (callback mode).
+- ``Running``: the platform gave a run id to poll; the gateway calls ``poll(call, handle)`` later.
+
+Failures raise :class:`PlatformError` with a :class:`Retry` class from the contracts file:
+``RETRYABLE`` (always), ``IF_IDEMPOTENT`` (the flow may have run: retry only if the stage is idempotent),
+or ``FATAL``. Every error and outcome carries the platform's own ids (execution id, run id, debug_url,
+log id) in ``platform_ids`` for the batch log.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import requests
+
+ENVELOPE_FIELDS = ("job_id", "seq", "stage", "attempt", "idempotency_key", "cursor", "items",
+                   "items_url", "input", "params", "callback_url")
+
+
+class Retry(enum.Enum):
+    """What a failure allows."""
+
+    RETRYABLE = "retryable"
+    IF_IDEMPOTENT = "retryable_if_idempotent"
+    FATAL = "fatal"
+
+
+class PlatformError(Exception):
+    """A stage call failed; ``retry`` says whether trying again can help."""
+
+    def __init__(self, message: str, retry: Retry, *, retry_after_s: float | None = None,
+                 status: int | None = None, code: str | None = None,
+                 platform_ids: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry = retry
+        self.retry_after_s = retry_after_s
+        self.status = status
+        self.code = code
+        self.platform_ids = platform_ids or {}
+
+    def retryable_for(self, stage_idempotent: bool) -> bool:
+        """Whether the gateway may try again, given the stage's idempotency."""
+        return self.retry is Retry.RETRYABLE or (self.retry is Retry.IF_IDEMPOTENT and stage_idempotent)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A stage's result, from a sync response, a callback or a finished poll (the public contract)."""
+
+    succeeded: bool
+    output: Any = None
+    next_cursor: Any = None
+    has_next_cursor: bool = False
+    error_message: str | None = None
+    error_retryable: bool = True
+
+    @classmethod
+    def parse(cls, body: Any) -> "Answer":
+        """Read ``{"status", "output", "next_cursor"?, "error": {"message", "retryable"}}``.
+
+        Raises ValueError with a precise message when the body does not follow the contract.
+        """
+        if not isinstance(body, dict):
+            raise ValueError("answer must be a JSON object")
+        status = body.get("status")
+        if status not in ("succeeded", "failed"):
+            raise ValueError('answer.status must be "succeeded" or "failed"')
+        if status == "failed":
+            error = body.get("error") or {}
+            if not isinstance(error, dict):
+                raise ValueError("answer.error must be an object")
+            retryable = error.get("retryable", True)
+            if not isinstance(retryable, bool):
+                raise ValueError("answer.error.retryable must be a boolean")
+            return cls(False, error_message=str(error.get("message") or "platform reported failure")[:2000],
+                       error_retryable=retryable)
+        return cls(True, output=body.get("output"), next_cursor=body.get("next_cursor"),
+                   has_next_cursor="next_cursor" in body)
+
+
+@dataclass(frozen=True)
+class StageCall:
+    """Everything a connector needs to run one stage attempt of one batch."""
+
+    envelope: dict[str, Any]
+    target: dict[str, Any]
+    secrets: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 30.0
+    signing_key: bytes = b""
+    idempotent: bool = False
+
+    @property
+    def idempotency_key(self) -> str:
+        return self.envelope["idempotency_key"]
+
+    @property
+    def callback_mode(self) -> bool:
+        return self.target.get("mode") == "callback"
+
+    def secret(self, field_name: str) -> str | None:
+        """The secret a ``*_secret`` target field names, resolved by the gateway from its settings."""
+        return self.secrets.get(field_name)
+
+
+@dataclass(frozen=True)
+class Done:
+    answer: Answer
+    platform_ids: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    platform_ids: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Running:
+    handle: dict[str, Any]
+    platform_ids: dict[str, str] = field(default_factory=dict)
+
+
+Outcome = Done | Accepted | Running
+
+
+class Connector(Protocol):
+    """One platform."""
+
+    def trigger(self, call: StageCall, session: requests.Session) -> Outcome: ...
+
+    def poll(self, call: StageCall, handle: dict[str, Any], session: requests.Session) -> Outcome: ...
+
+
+def signed_headers(call: StageCall, body: bytes, now: float | None = None) -> dict[str, str]:
+    """Headers on every outbound call: idempotency key, job/seq/stage/attempt, HMAC signature.
+
+    ``Batchgate-Signature: t=<unix seconds>,v1=<hex hmac-sha256 of "<t>.<body>">`` (the scheme Stripe
+    and others use); a platform verifies it with the shared signing secret.
+    """
+    env = call.envelope
+    ts = str(int(now if now is not None else time.time()))
+    mac = hmac.new(call.signing_key, ts.encode() + b"." + body, hashlib.sha256).hexdigest()
+    return {
+        "Content-Type": "application/json",
+        "Idempotency-Key": call.idempotency_key,
+        "Batchgate-Job-Id": str(env["job_id"]),
+        "Batchgate-Seq": str(env["seq"]),
+        "Batchgate-Stage": str(env["stage"]),
+        "Batchgate-Attempt": str(env["attempt"]),
+        "Batchgate-Signature": f"t={ts},v1={mac}",
+    }
+
+
+def verify_signature(header: str, body: bytes, key: bytes, tolerance_s: float = 300,
+                     now: float | None = None) -> bool:
+    """Check a ``Batchgate-Signature`` header (for platforms and tests)."""
+    try:
+        parts = dict(p.split("=", 1) for p in header.split(","))
+        ts = int(parts["t"])
+    except (ValueError, KeyError):
+        return False
+    if abs((now if now is not None else time.time()) - ts) > tolerance_s:
+        return False
+    expected = hmac.new(key, str(ts).encode() + b"." + body, hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected, parts.get("v1", ""))
+
+
+def encode(payload: Any) -> bytes:
+    """Request body bytes, as signed."""
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def retry_after_s(resp: requests.Response) -> float | None:
+    """Retry-After in seconds (delta-seconds or HTTP date), or None."""
+    value = resp.headers.get("Retry-After")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        from email.utils import parsedate_to_datetime
+
+        try:
+            return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+        except (TypeError, ValueError):
+            return None
+
+
+def classify_http(resp: requests.Response) -> Retry:
+    """The shared HTTP status classification of the contracts file."""
+    if resp.status_code == 429 or resp.status_code >= 500:
+        return Retry.RETRYABLE
+    return Retry.FATAL
+
+
+def map_fields(mapping: dict[str, str] | None, envelope: dict[str, Any],
+               default: dict[str, Any]) -> dict[str, Any]:
+    """Build platform variables from the envelope: ``{"resumes": "items", "job": "params.title"}``.
+
+    Values are dotted paths into the envelope; ``$json`` serialises the whole envelope as a string
+    (for platforms whose inputs are strings). With no mapping, ``default`` is used.
+    """
+    if not mapping:
+        return default
+    out: dict[str, Any] = {}
+    for name, path in mapping.items():
+        if path == "$json":
+            out[name] = json.dumps(envelope, ensure_ascii=False)
+            continue
+        value: Any = envelope
+        for part in path.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        out[name] = value
+    return out

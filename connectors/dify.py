@@ -1,0 +1,273 @@
+"""Dify connector: run a workflow app (blocking or streaming) and poll its run.
+
+Target::
+
+    {"type": "dify", "base_url": "https://api.dify.ai", "api_key_secret": "<secret name>",
+     "mode": "blocking" | "streaming", "workflow_id": "<published version uuid>"?,
+     "inputs": {"<variable>": "<envelope path>"}?, "user": "batchgate"}
+
+Without ``inputs`` the workflow gets one variable, ``batchgate``: the envelope as a JSON string (declare it as
+a paragraph input long enough for a batch). A run is finished only when ``data.status`` says so: a failed run
+can come back as HTTP 200. ``streaming`` reads the event stream only until ``workflow_started`` and then
+polls ``GET /v1/workflows/run/{id}``, which suits stages longer than Dify Cloud's ~100 s blocking cut-off.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import closing
+from dataclasses import dataclass
+from typing import Any, Iterator
+from urllib.parse import quote
+
+import requests
+import urllib3
+
+from connectors.base import Done, Outcome, PlatformError, Retry, Running, StageCall, map_fields
+from connectors.targets import TargetChecker, checked
+from connectors.transport import answer_from_value, clip, http_error, ids, json_body, parse_json_text, \
+    require_secret, send
+
+PLATFORM = "dify"
+FIELDS = ("base_url", "api_key_secret", "mode", "workflow_id", "inputs", "user")
+FATAL_CODES = frozenset({"invalid_param", "app_unavailable", "model_currently_not_support",
+                         "workflow_not_found", "draft_workflow_error", "workflow_id_format_error"})
+FATAL_CODE_PREFIXES = ("provider_",)
+IF_IDEMPOTENT_CODES = frozenset({"workflow_request_error"})
+RETRYABLE_CODES = frozenset({"too_many_requests", "rate_limit_error", "internal_server_error"})
+READ_SIZE = 8192
+
+
+@dataclass(frozen=True)
+class DifyAssumptions:
+    """Dify behaviour the contracts file marks UNVERIFIED, or no source confirms; change it only here.
+
+    Retry-After on 429 is also unverified: it is honoured when present and never required.
+    """
+
+    error_event: str = "error"
+    """SSE error frames: ``{"event": "error", "code", "message", "status"}``."""
+    error_event_retry: Retry = Retry.IF_IDEMPOTENT
+    """Class of an error frame whose code is unknown and which has no status: the run may have started."""
+    succeeded_statuses: tuple[str, ...] = ("succeeded", "partial-succeeded")
+    """Finished with outputs; ``partial-succeeded``: nodes failed under an error strategy the flow set."""
+    running_statuses: tuple[str, ...] = ("running", "paused")
+
+
+UNVERIFIED = DifyAssumptions()
+
+
+class StreamDeadline(Exception):
+    """The event stream ran past the call's timeout without the event awaited."""
+
+
+def validate_target(target: dict[str, Any]) -> dict[str, Any]:
+    """Check a Dify target and fill its defaults.
+
+    Defaults: ``base_url`` https://api.dify.ai (a trailing ``/`` or ``/v1`` is dropped), ``mode`` blocking,
+    ``user`` batchgate. ``api_key_secret`` is required; ``workflow_id`` must be a UUID when given.
+
+    Raises:
+        ValueError: naming the field at fault.
+    """
+    check = TargetChecker(target, "dify", FIELDS)
+    base = check.url("base_url", "https://api.dify.ai", base=True)
+    if base.endswith("/v1"):
+        check.result["base_url"] = base[:-len("/v1")]
+    check.secret_name("api_key_secret", required=True, what="Dify app API key")
+    check.choice("mode", ("blocking", "streaming"), "blocking")
+    workflow_id = check.string("workflow_id")
+    if workflow_id is not None:
+        try:
+            uuid.UUID(workflow_id)
+        except ValueError:
+            raise check.fail("workflow_id must be the UUID of a published workflow version") from None
+    check.mapping("inputs")
+    check.string("user", "batchgate")
+    return check.result
+
+
+class DifyConnector:
+    """Dify workflow apps through the service API."""
+
+    def trigger(self, call: StageCall, session: requests.Session) -> Outcome:
+        """Start a run; blocking reads its result, streaming returns at ``workflow_started``."""
+        target = checked(validate_target, call.target)
+        workflow = f"/{quote(target['workflow_id'], safe='')}" if target.get("workflow_id") else ""
+        payload = {
+            "inputs": map_fields(target.get("inputs"), call.envelope,
+                                 default={"batchgate": json.dumps(call.envelope, ensure_ascii=False)}),
+            "response_mode": target["mode"],
+            "user": target["user"],
+        }
+        streaming = target["mode"] == "streaming"
+        resp = send(call, session, "POST", f"{target['base_url']}/v1/workflows{workflow}/run",
+                    platform=PLATFORM, payload=payload, auth=_auth(call), stream=streaming)
+        with closing(resp):
+            if resp.ok and streaming and "json" not in resp.headers.get("Content-Type", ""):
+                return _read_stream(resp, call)
+            return _blocking_outcome(resp, call)
+
+    def poll(self, call: StageCall, handle: dict[str, Any], session: requests.Session) -> Outcome:
+        """Read a run's status: succeeded -> Done, running/paused -> Running, failed/stopped -> error."""
+        target = checked(validate_target, call.target)
+        run_id = str(handle.get("run_id") or "")
+        if not run_id:
+            raise PlatformError("dify: the poll handle has no run_id", Retry.FATAL)
+        pids = ids(workflow_run_id=run_id)
+        resp = send(call, session, "GET", f"{target['base_url']}/v1/workflows/run/{quote(run_id, safe='')}",
+                    platform=PLATFORM, auth=_auth(call), platform_ids=pids)
+        body = json_body(resp)
+        if not resp.ok:
+            raise _http_error(resp, body, call, pids)
+        return _run_outcome(body, pids, call)
+
+
+def _auth(call: StageCall) -> dict[str, str]:
+    return {"Authorization": f"Bearer {require_secret(call, 'api_key_secret', PLATFORM)}"}
+
+
+def _blocking_outcome(resp: requests.Response, call: StageCall) -> Outcome:
+    body = json_body(resp)
+    if not resp.ok:
+        raise _http_error(resp, body, call)
+    if not isinstance(body, dict):
+        raise PlatformError(f"dify answered HTTP {resp.status_code} without a JSON object", Retry.FATAL,
+                            status=resp.status_code)
+    return _run_outcome(body.get("data"), ids(workflow_run_id=body.get("workflow_run_id"),
+                                              task_id=body.get("task_id")), call)
+
+
+def _run_outcome(data: Any, pids: dict[str, str], call: StageCall) -> Outcome:
+    """A run record (blocking ``data``, a poll, or ``workflow_finished``) by its ``status``."""
+    if not isinstance(data, dict):
+        raise PlatformError("dify answered without run data", Retry.FATAL, platform_ids=pids)
+    pids = {**ids(workflow_run_id=data.get("id")), **pids}
+    run_id, status = pids.get("workflow_run_id"), data.get("status")
+    if status in UNVERIFIED.succeeded_statuses:
+        return Done(answer_from_value(parse_json_text(data.get("outputs")), pids), pids)
+    if status == "failed":
+        message = clip(data.get("error") or "no error message", call)
+        raise PlatformError(f"dify run {run_id} failed: {message}", Retry.IF_IDEMPOTENT, platform_ids=pids)
+    if status == "stopped":
+        raise PlatformError(f"dify run {run_id} was stopped", Retry.FATAL, platform_ids=pids)
+    if status in UNVERIFIED.running_statuses:
+        if not run_id:
+            raise PlatformError(f"dify run is {status} but gave no workflow_run_id to poll", Retry.FATAL,
+                                platform_ids=pids)
+        return Running({"run_id": run_id}, pids)
+    raise PlatformError(f"dify run {run_id} has status {clip(status)!r}, which batchgate does not handle",
+                        Retry.FATAL, platform_ids=pids)
+
+
+def code_retry(code: Any) -> Retry | None:
+    """The class the contracts file gives a Dify error code, or None for codes it does not list."""
+    if not isinstance(code, str):
+        return None
+    if code in RETRYABLE_CODES:
+        return Retry.RETRYABLE
+    if code in IF_IDEMPOTENT_CODES:
+        return Retry.IF_IDEMPOTENT
+    if code in FATAL_CODES or code.startswith(FATAL_CODE_PREFIXES):
+        return Retry.FATAL
+    return None
+
+
+def _http_error(resp: requests.Response, body: Any, call: StageCall,
+                pids: dict[str, str] | None = None) -> PlatformError:
+    code = body.get("code") if isinstance(body, dict) else None
+    message = body.get("message") if isinstance(body, dict) else None
+    text = f"{code}: {message or ''}" if code else (message or resp.text or resp.reason or "")
+    retry = None if resp.status_code in (401, 403) else code_retry(code)
+    return http_error(resp, call, PLATFORM, retry=retry, message=text, code=code, platform_ids=pids)
+
+
+def _event_error(event: dict[str, Any], call: StageCall, pids: dict[str, str]) -> PlatformError:
+    code, status = event.get("code"), event.get("status")
+    retry = code_retry(code)
+    if retry is None and isinstance(status, int):
+        retry = Retry.RETRYABLE if status == 429 or status >= 500 else Retry.FATAL
+    message = clip(event.get("message") or "no error message", call)
+    return PlatformError(f"dify stream error {code or '(no code)'}: {message}",
+                         retry or UNVERIFIED.error_event_retry,
+                         status=status if isinstance(status, int) else None,
+                         code=str(code) if code else None, platform_ids=pids)
+
+
+def _read_stream(resp: requests.Response, call: StageCall) -> Outcome:
+    """Read events until the run id is known (Running) or the run ends first (its outcome)."""
+    pids: dict[str, str] = {}
+    try:
+        for event in _sse_events(resp, time.monotonic() + call.timeout_s):
+            pids.update(ids(workflow_run_id=event.get("workflow_run_id"), task_id=event.get("task_id")))
+            kind = event.get("event")
+            if kind == "workflow_started":
+                pids = {**ids(workflow_run_id=(event.get("data") or {}).get("id")), **pids}
+                if pids.get("workflow_run_id"):
+                    return Running({"run_id": pids["workflow_run_id"]}, pids)
+            elif kind == "workflow_finished":
+                return _run_outcome(event.get("data"), pids, call)
+            elif kind == UNVERIFIED.error_event:
+                raise _event_error(event, call, pids)
+    except StreamDeadline:
+        raise PlatformError(f"dify sent no workflow_started within {call.timeout_s:g} s", Retry.RETRYABLE,
+                            platform_ids=pids) from None
+    except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
+        raise PlatformError(f"dify event stream broke: {type(exc).__name__}", Retry.RETRYABLE,
+                            platform_ids=pids) from exc
+    raise PlatformError("dify event stream ended before workflow_started", Retry.RETRYABLE, platform_ids=pids)
+
+
+def _sse_events(resp: requests.Response, deadline: float) -> Iterator[dict[str, Any]]:
+    """JSON ``data:`` payloads of a server-sent event stream, as they arrive (other fields ignored).
+
+    Raises:
+        StreamDeadline: when ``deadline`` (monotonic) passes first.
+    """
+    data: list[bytes] = []
+    for line in _lines(resp, deadline):
+        if line.startswith(b"data:"):
+            data.append(line[5:].removeprefix(b" "))
+        elif not line and data:
+            event, data = _json_object(b"\n".join(data)), []
+            if event is not None:
+                yield event
+    if data and (event := _json_object(b"\n".join(data))) is not None:
+        yield event
+
+
+def _lines(resp: requests.Response, deadline: float) -> Iterator[bytes]:
+    """Body lines without their line ends, each as soon as it is complete."""
+    buffer = bytearray()
+    for chunk in _chunks(resp):
+        scan_from = len(buffer)
+        buffer += chunk
+        while (end := buffer.find(b"\n", scan_from)) >= 0:
+            line = bytes(buffer[:end]).rstrip(b"\r")
+            del buffer[:end + 1]
+            scan_from = 0
+            yield line
+        if time.monotonic() > deadline:
+            raise StreamDeadline
+    if buffer:
+        yield bytes(buffer).rstrip(b"\r")
+
+
+def _chunks(resp: requests.Response) -> Iterator[bytes]:
+    """Body bytes as soon as they arrive, whatever the framing (chunked or not)."""
+    read1 = getattr(resp.raw, "read1", None)
+    if read1 is None:  # urllib3 < 2: one byte at a time is slow but never waits for a full buffer
+        yield from resp.iter_content(chunk_size=1)
+        return
+    while chunk := read1(READ_SIZE):
+        yield chunk
+
+
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None

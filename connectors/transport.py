@@ -1,0 +1,167 @@
+"""Plumbing every connector shares: signed requests, transport failures, platform messages, answers.
+
+Every outbound request goes through :func:`send`: the body is ``encode(payload)``, the headers are
+``signed_headers(call, body)`` plus the platform's auth, and connection errors and timeouts become
+``PlatformError(RETRYABLE)``. Messages built here are clipped and scrubbed of the call's secret values.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+from urllib.parse import urlsplit
+
+import requests
+
+from connectors.base import Answer, PlatformError, Retry, StageCall, classify_http, encode, retry_after_s, \
+    signed_headers
+
+log = logging.getLogger(__name__)
+
+MESSAGE_LIMIT = 500
+"""Longest platform message kept in an error (characters)."""
+
+REDACTED = "[redacted]"
+
+
+def ids(**values: Any) -> dict[str, str]:
+    """Platform ids as strings, without the empty ones."""
+    return {name: str(value) for name, value in values.items() if value not in (None, "")}
+
+
+def clip(text: Any, call: StageCall | None = None) -> str:
+    """A platform message fit for an error: secrets removed, at most ``MESSAGE_LIMIT`` characters."""
+    text = " ".join(str(text).split())
+    if call is not None:
+        for secret in call.secrets.values():
+            if secret and len(secret) >= 4:
+                text = text.replace(secret, REDACTED)
+    return text if len(text) <= MESSAGE_LIMIT else text[:MESSAGE_LIMIT - 1] + "…"
+
+
+def require_secret(call: StageCall, field_name: str, platform: str) -> str:
+    """The secret value a ``*_secret`` target field names; FATAL when the gateway has none for it."""
+    value = call.secret(field_name)
+    if not value:
+        name = call.target.get(field_name)
+        raise PlatformError(f"{platform}: the secret {name!r} (target field {field_name}) is not configured",
+                            Retry.FATAL)
+    return value
+
+
+def send(call: StageCall, session: requests.Session, method: str, url: str, *, platform: str,
+         payload: Any = None, headers: dict[str, str] | None = None, auth: dict[str, str] | None = None,
+         stream: bool = False, platform_ids: dict[str, str] | None = None) -> requests.Response:
+    """Send one signed request; transport failures raise ``PlatformError``.
+
+    Args:
+        call: the stage attempt (envelope for the signed headers, timeout).
+        session: the HTTP session to send with.
+        method: HTTP method.
+        url: full URL, query included.
+        platform: the platform's name for messages.
+        payload: JSON body; None sends an empty (still signed) body.
+        headers: extra static headers, below the signed ones.
+        auth: the platform's auth headers, on top.
+        stream: leave the body unread (for server-sent events).
+        platform_ids: ids already known (a poll's run id), kept on transport errors.
+    """
+    body = b"" if payload is None else encode(payload)
+    all_headers = {**(headers or {}), **signed_headers(call, body), **(auth or {})}
+    env = call.envelope
+    log.debug("%s %s job_id=%s seq=%s stage=%s attempt=%s", method, platform, env.get("job_id"),
+              env.get("seq"), env.get("stage"), env.get("attempt"))
+    try:
+        return session.request(method, url, data=body, headers=all_headers, timeout=call.timeout_s,
+                               stream=stream)
+    except requests.Timeout as exc:
+        raise PlatformError(f"{platform} did not answer within {call.timeout_s:g} s", Retry.RETRYABLE,
+                            platform_ids=platform_ids) from exc
+    except requests.ConnectionError as exc:
+        raise PlatformError(f"could not reach {platform} at {urlsplit(url).netloc}: {type(exc).__name__}",
+                            Retry.RETRYABLE, platform_ids=platform_ids) from exc
+    except requests.RequestException as exc:
+        raise PlatformError(f"{platform} request failed: {type(exc).__name__}", Retry.FATAL,
+                            platform_ids=platform_ids) from exc
+
+
+def json_body(resp: requests.Response) -> Any:
+    """The response's JSON body, or None when it has none."""
+    try:
+        return resp.json()
+    except ValueError:
+        return None
+
+
+def platform_message(resp: requests.Response, body: Any = None) -> str:
+    """The platform's own message from an error response: a JSON ``message``/``msg``, else the text."""
+    if isinstance(body, dict):
+        for key in ("message", "msg", "error"):
+            if isinstance(body.get(key), str) and body[key]:
+                return body[key]
+    return resp.text or resp.reason or ""
+
+
+def http_error(resp: requests.Response, call: StageCall, platform: str, *, retry: Retry | None = None,
+               message: str | None = None, hint: str = "", code: Any = None,
+               platform_ids: dict[str, str] | None = None) -> PlatformError:
+    """A ``PlatformError`` for an HTTP error answer; the status decides the class unless ``retry`` does.
+
+    ``message`` defaults to the platform's own message (clipped); ``hint`` is batchgate's advice after it.
+    """
+    retry = retry or classify_http(resp)
+    text = message if message is not None else platform_message(resp, json_body(resp))
+    return PlatformError(f"{platform} answered HTTP {resp.status_code}: {clip(text, call)}{hint}", retry,
+                         retry_after_s=retry_after_s(resp) if retry is Retry.RETRYABLE else None,
+                         status=resp.status_code, code=None if code is None else str(code),
+                         platform_ids=platform_ids)
+
+
+def contract_error(reason: str, platform_ids: dict[str, str] | None = None) -> PlatformError:
+    """FATAL: the flow's answer does not follow the answer contract."""
+    return PlatformError(f"answer does not follow the contract: {clip(reason)}", Retry.FATAL,
+                         platform_ids=platform_ids)
+
+
+def parse_contract(body: Any, platform_ids: dict[str, str] | None = None) -> Answer:
+    """``Answer.parse`` with contract violations raised as FATAL ``PlatformError``."""
+    try:
+        return Answer.parse(body)
+    except ValueError as exc:
+        keys = f" (keys: {', '.join(sorted(map(str, body))[:20])})" if isinstance(body, dict) else ""
+        raise contract_error(f"{exc}{keys}", platform_ids) from None
+
+
+def answer_from_value(value: Any, platform_ids: dict[str, str] | None = None) -> Answer:
+    """An answer from a platform's outputs: the contract when it has ``status``, else plain output.
+
+    Plain output keeps ``next_cursor`` when the outputs carry one.
+    """
+    if isinstance(value, dict) and "status" in value:
+        return parse_contract(value, platform_ids)
+    if isinstance(value, dict) and "next_cursor" in value:
+        return Answer(True, output=value, next_cursor=value["next_cursor"], has_next_cursor=True)
+    return Answer(True, output=value)
+
+
+def parse_json_text(text: Any) -> Any:
+    """A platform's JSON-in-a-string output, parsed; text that is not JSON stays text."""
+    if not isinstance(text, (str, bytes)):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def dig(value: Any, *path: str | int) -> Any:
+    """``value[p0][p1]...`` through dicts and lists, or None where the path breaks."""
+    for step in path:
+        if isinstance(step, int) and isinstance(value, list) and -len(value) <= step < len(value):
+            value = value[step]
+        elif isinstance(step, str) and isinstance(value, dict):
+            value = value.get(step)
+        else:
+            return None
+    return value

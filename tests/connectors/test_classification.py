@@ -1,0 +1,460 @@
+"""Every classification row of the contracts file, per connector, against `responses` mocks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from connectors import get_connector
+from connectors.base import Accepted, Done, Retry, Running
+from tests.connectors.helpers import COZE_TOKEN, DIFY_KEY, HOOK_SECRET, N8N_API_KEY, call, raises
+
+HOOK = "https://n8n.example/webhook/batch"
+N8N_API = "https://n8n.example/api/v1/executions/77?includeData=true"
+DIFY = "https://dify.example"
+COZE = "https://coze.example"
+
+R, IDEM, F = Retry.RETRYABLE, Retry.IF_IDEMPOTENT, Retry.FATAL
+
+
+def http_call(**target):
+    return call({"type": "http", "url": "https://flow.example/run", **target})
+
+
+def n8n_call(**target):
+    return call({"type": "n8n", "url": HOOK, "api_url": "https://n8n.example", "api_key_secret": "N8N_KEY",
+                 "auth_secret": "HOOK", **target},
+                {"api_key_secret": N8N_API_KEY, "auth_secret": HOOK_SECRET})
+
+
+def dify_call(**target):
+    return call({"type": "dify", "base_url": DIFY, "api_key_secret": "DIFY_KEY", **target},
+                {"api_key_secret": DIFY_KEY})
+
+
+def coze_call(**target):
+    return call({"type": "coze", "base_url": COZE, "token_secret": "COZE", "workflow_id": "73", **target},
+                {"token_secret": COZE_TOKEN})
+
+
+# ---- transport, shared by all ----
+
+@pytest.mark.parametrize("kind, make, url", [
+    ("http", http_call, "https://flow.example/run"),
+    ("n8n", n8n_call, HOOK),
+    ("dify", dify_call, f"{DIFY}/v1/workflows/run"),
+    ("coze", coze_call, f"{COZE}/v1/workflow/run"),
+])
+@pytest.mark.parametrize("exc", [requests.ConnectionError("refused"), requests.ReadTimeout("slow"),
+                                 requests.ConnectTimeout("no route")])
+def test_connection_errors_and_timeouts_are_retryable(mock, session, kind, make, url, exc):
+    mock.post(url, body=exc)
+    err = raises(R, lambda: get_connector(kind).trigger(make(), session))
+    assert "did not answer within 5 s" in err.message or "could not reach" in err.message
+
+
+@pytest.mark.parametrize("kind, make, url, handle, ids", [
+    ("n8n", n8n_call, N8N_API, {"execution_id": "77"}, {"execution_id": "77"}),
+    ("dify", dify_call, f"{DIFY}/v1/workflows/run/r-1", {"run_id": "r-1"}, {"workflow_run_id": "r-1"}),
+    ("coze", coze_call, f"{COZE}/v1/workflows/73/run_histories/e-9", {"execute_id": "e-9"},
+     {"execute_id": "e-9"}),
+])
+def test_poll_timeouts_are_retryable_and_keep_the_run_id(mock, session, kind, make, url, handle, ids):
+    mock.get(url, body=requests.ReadTimeout("slow"))
+    err = raises(R, lambda: get_connector(kind).poll(make(), handle, session))
+    assert err.platform_ids == ids
+
+
+# ---- http ----
+
+@pytest.mark.parametrize("status, retry", [(400, F), (401, F), (403, F), (404, F), (422, F), (429, R),
+                                           (500, R), (502, R), (503, R), (504, R)])
+def test_http_statuses(mock, session, status, retry):
+    mock.post("https://flow.example/run", status=status, json={"error": "nope"}, headers={"Retry-After": "7"})
+    err = raises(retry, lambda: get_connector("http").trigger(http_call(), session))
+    assert err.status == status
+    assert err.retry_after_s == (7.0 if retry is R else None)
+
+
+def test_http_sync_answer_follows_the_contract(mock, session):
+    mock.post("https://flow.example/run",
+              json={"status": "succeeded", "output": {"n": 3}, "next_cursor": "c9"})
+    out = get_connector("http").trigger(http_call(), session)
+    assert isinstance(out, Done) and out.answer.output == {"n": 3} and out.answer.next_cursor == "c9"
+
+
+def test_http_sync_failed_answer_is_done_with_the_failure(mock, session):
+    mock.post("https://flow.example/run", json={"status": "failed", "error": {"message": "bad row",
+                                                                                "retryable": False}})
+    answer = get_connector("http").trigger(http_call(), session).answer
+    assert not answer.succeeded and answer.error_message == "bad row" and answer.error_retryable is False
+
+
+@pytest.mark.parametrize("body", [json.dumps({"result": 1}), json.dumps([1, 2]), "<html>ok</html>", ""])
+def test_http_sync_body_outside_the_contract_is_fatal(mock, session, body):
+    mock.post("https://flow.example/run", body=body, content_type="application/json")
+    err = raises(F, lambda: get_connector("http").trigger(http_call(), session))
+    assert err.message.startswith("answer does not follow the contract")
+
+
+@pytest.mark.parametrize("status", [200, 202, 204])
+def test_http_callback_any_2xx_is_accepted(mock, session, status):
+    mock.post("https://flow.example/run", status=status, body="")
+    assert isinstance(get_connector("http").trigger(http_call(mode="callback"), session), Accepted)
+
+
+def test_http_auth_header_and_secret_never_in_messages(mock, session):
+    mock.post("https://flow.example/run", status=401, json={"message": f"token {HOOK_SECRET} rejected"})
+    stage = call({"type": "http", "url": "https://flow.example/run", "auth_secret": "HOOK",
+                  "auth_scheme": "Token", "headers": {"X-Team": "ml", "Idempotency-Key": "forged"}},
+                 {"auth_secret": HOOK_SECRET})
+    err = raises(F, lambda: get_connector("http").trigger(stage, session), HOOK_SECRET)
+    assert "[redacted]" in err.message
+    sent = mock.calls[0].request.headers
+    assert sent["Authorization"] == f"Token {HOOK_SECRET}" and sent["X-Team"] == "ml"
+    assert sent["Idempotency-Key"] == stage.idempotency_key
+
+
+def test_missing_secret_is_fatal_and_names_only_the_secret(session):
+    stage = call({"type": "http", "url": "https://flow.example/run", "auth_secret": "FLOW_TOKEN"})
+    err = raises(F, lambda: get_connector("http").trigger(stage, session))
+    assert "FLOW_TOKEN" in err.message
+
+
+def test_http_has_nothing_to_poll(session):
+    raises(F, lambda: get_connector("http").poll(http_call(), {}, session))
+
+
+# ---- n8n webhook ----
+
+@pytest.mark.parametrize("status, body, retry, fragment", [
+    (500, {"message": "Error in workflow"}, IDEM, "Error in workflow"),
+    (500, {"message": "Internal error"}, R, "Internal error"),
+    (404, {"code": 404, "message": 'The requested webhook "POST batch" is not registered.'}, F, "activation"),
+    (404, {"code": 404, "message": "This webhook is not registered for GET requests."}, F, "not registered"),
+    (401, "Authorization is required!", F, "Authorization is required"),
+    (403, "Authorization data is wrong!", F, "wrong"),
+    (409, {"message": 'The execution "5" is running already.'}, R, "running already"),
+    (409, {"message": 'The execution "5" has finished already.'}, F, "finished"),
+    (409, {"message": 'The execution "5" has finished with error.'}, F, "finished"),
+    (429, {"message": "Too many requests"}, R, "Too many"),
+    (502, "Bad Gateway", R, "Bad Gateway"),
+    (503, "", R, ""),
+])
+def test_n8n_webhook_errors(mock, session, status, body, retry, fragment):
+    kwargs = {"json": body} if isinstance(body, dict) else {"body": body}
+    mock.post(HOOK, status=status, headers={"Retry-After": "3"}, **kwargs)
+    err = raises(retry, lambda: get_connector("n8n").trigger(n8n_call(), session), HOOK_SECRET, N8N_API_KEY)
+    assert fragment in err.message and err.status == status
+    assert err.retry_after_s == (3.0 if retry is R else None)
+
+
+def test_n8n_sync_contract_answer(mock, session):
+    mock.post(HOOK, json={"status": "succeeded", "output": {"n": 3}})
+    out = get_connector("n8n").trigger(n8n_call(), session)
+    assert isinstance(out, Done) and out.answer.output == {"n": 3}
+    assert mock.calls[0].request.headers["X-N8N-Auth"] == HOOK_SECRET
+
+
+@pytest.mark.parametrize("key", ["executionId", "execution_id"])
+def test_n8n_sync_execution_id_means_running(mock, session, key):
+    mock.post(HOOK, json={key: 77})
+    out = get_connector("n8n").trigger(n8n_call(), session)
+    assert out == Running({"execution_id": "77"}, {"execution_id": "77"})
+
+
+def test_n8n_sync_execution_id_without_api_url_is_fatal(mock, session):
+    mock.post(HOOK, json={"executionId": "77"})
+    stage = call({"type": "n8n", "url": HOOK})
+    err = raises(F, lambda: get_connector("n8n").trigger(stage, session))
+    assert "api_url" in err.message and err.platform_ids == {"execution_id": "77"}
+
+
+def test_n8n_sync_but_webhook_responds_immediately_is_fatal(mock, session):
+    mock.post(HOOK, json={"message": "Workflow was started"})
+    err = raises(F, lambda: get_connector("n8n").trigger(n8n_call(), session))
+    assert "callback" in err.message
+
+
+def test_n8n_callback_started_is_accepted(mock, session):
+    mock.post(HOOK, json={"message": "Workflow was started"})
+    assert get_connector("n8n").trigger(n8n_call(mode="callback"), session) == Accepted({})
+
+
+def test_n8n_basic_auth(mock, session):
+    mock.post(HOOK, json={"status": "succeeded", "output": 1})
+    stage = call({"type": "n8n", "url": HOOK, "auth": "basic", "auth_secret": "HOOK"},
+                 {"auth_secret": "bob:pa55word"})
+    get_connector("n8n").trigger(stage, session)
+    assert mock.calls[0].request.headers["Authorization"] == "Basic Ym9iOnBhNTV3b3Jk"
+
+
+def test_n8n_basic_auth_secret_without_colon_is_fatal_without_echo(session):
+    stage = call({"type": "n8n", "url": HOOK, "auth": "basic", "auth_secret": "HOOK"},
+                 {"auth_secret": "s3cr3tpw"})
+    raises(F, lambda: get_connector("n8n").trigger(stage, session), "s3cr3tpw")
+
+
+# ---- n8n executions API ----
+
+def execution(status, last=None, json_item=None, error=None):
+    result = {"runData": {}}
+    if last:
+        result = {"lastNodeExecuted": last, "runData": {last: [{"data": {"main": [[{"json": {"old": 1}}]]}},
+                                                               {"data": {"main": [[{"json": json_item}]]}}]}}
+    if error:
+        result["error"] = error
+    return {"id": "77", "finished": status == "success", "status": status, "data": {"resultData": result}}
+
+
+def n8n_poll(session):
+    return get_connector("n8n").poll(n8n_call(), {"execution_id": "77"}, session)
+
+
+def test_n8n_poll_success_reads_the_last_nodes_first_item(mock, session):
+    mock.get(N8N_API, json=execution("success", "Answer", {"status": "succeeded", "output": [1, 2]}))
+    out = n8n_poll(session)
+    assert out == Done(out.answer, {"execution_id": "77"}) and out.answer.output == [1, 2]
+    assert mock.calls[0].request.headers["X-N8N-API-KEY"] == N8N_API_KEY
+
+
+def test_n8n_poll_success_plain_json_is_the_output(mock, session):
+    mock.get(N8N_API, json=execution("success", "Set", {"count": 3, "next_cursor": 10}))
+    answer = n8n_poll(session).answer
+    assert answer.output == {"count": 3, "next_cursor": 10} and answer.next_cursor == 10
+
+
+def test_n8n_poll_success_without_saved_data_is_fatal(mock, session):
+    mock.get(N8N_API, json={"id": "77", "status": "success", "data": {}})
+    assert "save data of successful executions" in raises(F, lambda: n8n_poll(session)).message
+
+
+@pytest.mark.parametrize("status", ["new", "running", "waiting"])
+def test_n8n_poll_running(mock, session, status):
+    mock.get(N8N_API, json=execution(status))
+    assert n8n_poll(session) == Running({"execution_id": "77"}, {"execution_id": "77"})
+
+
+@pytest.mark.parametrize("status, retry", [("error", IDEM), ("crashed", IDEM), ("canceled", F),
+                                           ("unknown", F)])
+def test_n8n_poll_failures(mock, session, status, retry):
+    error = {"message": f"boom with key {N8N_API_KEY}", "node": {"name": "Code"}}
+    mock.get(N8N_API, json=execution(status, error=error))
+    err = raises(retry, lambda: n8n_poll(session), N8N_API_KEY)
+    assert err.platform_ids == {"execution_id": "77"} and status in err.message
+
+
+@pytest.mark.parametrize("status, retry", [(401, F), (404, F), (429, R), (503, R)])
+def test_n8n_poll_http_errors(mock, session, status, retry):
+    mock.get(N8N_API, status=status, json={"message": "x"})
+    assert raises(retry, lambda: n8n_poll(session)).platform_ids == {"execution_id": "77"}
+
+
+# ---- dify ----
+
+def dify_run(status, outputs=None, error=None, run_id="r-1"):
+    return {"workflow_run_id": run_id, "task_id": "t-1",
+            "data": {"id": run_id, "workflow_id": "w", "status": status, "outputs": outputs, "error": error}}
+
+
+DIFY_IDS = {"workflow_run_id": "r-1", "task_id": "t-1"}
+
+
+def dify_trigger(session, **target):
+    return get_connector("dify").trigger(dify_call(**target), session)
+
+
+def test_dify_succeeded_plain_outputs(mock, session):
+    mock.post(f"{DIFY}/v1/workflows/run", json=dify_run("succeeded", {"count": 3, "next_cursor": "n"}))
+    out = dify_trigger(session)
+    assert out.platform_ids == DIFY_IDS
+    assert out.answer.output == {"count": 3, "next_cursor": "n"} and out.answer.next_cursor == "n"
+
+
+def test_dify_succeeded_contract_outputs(mock, session):
+    mock.post(f"{DIFY}/v1/workflows/run", json=dify_run("succeeded", {"status": "failed",
+                                                                        "error": {"message": "row 2"}}))
+    answer = dify_trigger(session).answer
+    assert not answer.succeeded and answer.error_message == "row 2"
+
+
+def test_dify_contract_outputs_that_break_it_are_fatal(mock, session):
+    mock.post(f"{DIFY}/v1/workflows/run", json=dify_run("succeeded", {"status": "done"}))
+    err = raises(F, lambda: dify_trigger(session))
+    assert err.message.startswith("answer does not follow the contract") and err.platform_ids == DIFY_IDS
+
+
+@pytest.mark.parametrize("status, retry", [("failed", IDEM), ("stopped", F), ("weird", F)])
+def test_dify_http_200_with_a_failed_status(mock, session, status, retry):
+    mock.post(f"{DIFY}/v1/workflows/run", json=dify_run(status, error=f"LLM failed; key {DIFY_KEY}"))
+    err = raises(retry, lambda: dify_trigger(session), DIFY_KEY)
+    assert err.platform_ids == DIFY_IDS
+    if status == "failed":
+        assert "LLM failed" in err.message
+
+
+@pytest.mark.parametrize("status", ["running", "paused"])
+def test_dify_running_statuses(mock, session, status):
+    mock.post(f"{DIFY}/v1/workflows/run", json=dify_run(status))
+    assert dify_trigger(session) == Running({"run_id": "r-1"}, DIFY_IDS)
+
+
+@pytest.mark.parametrize("status, code, retry", [
+    (400, "invalid_param", F), (400, "app_unavailable", F), (400, "provider_not_initialize", F),
+    (400, "provider_quota_exceeded", F), (400, "model_currently_not_support", F),
+    (404, "workflow_not_found", F), (400, "draft_workflow_error", F), (400, "workflow_id_format_error", F),
+    (400, "completion_request_error", F),
+    (400, "workflow_request_error", IDEM), (429, "too_many_requests", R), (429, "rate_limit_error", R),
+    (500, "internal_server_error", R), (401, "unauthorized", F), (403, "forbidden", F), (502, None, R),
+])
+def test_dify_error_codes(mock, session, status, code, retry):
+    body = {"code": code, "message": f"msg with {DIFY_KEY}", "status": status} if code else None
+    mock.post(f"{DIFY}/v1/workflows/run", status=status, json=body, headers={"Retry-After": "4"})
+    err = raises(retry, lambda: dify_trigger(session), DIFY_KEY)
+    assert err.status == status and err.code == code
+    assert err.retry_after_s == (4.0 if retry is R else None)
+
+
+def sse(*events):
+    return "".join(f"data: {json.dumps(e)}\n\n" if isinstance(e, dict) else e for e in events)
+
+
+STARTED = {"event": "workflow_started", "task_id": "t-1", "workflow_run_id": "r-1", "data": {"id": "r-1"}}
+
+
+def test_dify_streaming_returns_at_workflow_started(mock, session):
+    mock.post(f"{DIFY}/v1/workflows/run", body=sse("event: ping\n\n", STARTED, {"event": "node_started"}),
+              content_type="text/event-stream")
+    assert dify_trigger(session, mode="streaming") == Running({"run_id": "r-1"}, DIFY_IDS)
+    assert json.loads(mock.calls[0].request.body)["response_mode"] == "streaming"
+
+
+def test_dify_streaming_finished_first_is_done(mock, session):
+    finished = {"event": "workflow_finished", "task_id": "t-1", "workflow_run_id": "r-1",
+                "data": {"id": "r-1", "status": "succeeded", "outputs": {"count": 2}}}
+    mock.post(f"{DIFY}/v1/workflows/run", body=sse(finished), content_type="text/event-stream")
+    out = dify_trigger(session, mode="streaming")
+    assert out.answer.output == {"count": 2} and out.platform_ids == DIFY_IDS
+
+
+def test_dify_streaming_reads_crlf_frames_split_over_reads(mock, session):
+    finished = {"event": "workflow_finished", "workflow_run_id": "r-1",
+                "data": {"id": "r-1", "status": "succeeded", "outputs": {"text": "x" * 50_000}}}
+    body = "event: ping\r\n\r\n" + sse(finished).replace("\n", "\r\n")
+    mock.post(f"{DIFY}/v1/workflows/run", body=body, content_type="text/event-stream")
+    assert dify_trigger(session, mode="streaming").answer.output == {"text": "x" * 50_000}
+
+
+@pytest.mark.parametrize("code, status, retry", [
+    ("rate_limit_error", 429, R), ("workflow_request_error", 400, IDEM), ("invalid_param", 400, F),
+    ("mystery", None, IDEM), ("mystery", 503, R),
+])
+def test_dify_streaming_error_frame_is_classified_by_code(mock, session, code, status, retry):
+    frame = {"event": "error", "task_id": "t-1", "code": code, "status": status, "message": "bad"}
+    mock.post(f"{DIFY}/v1/workflows/run", body=sse(frame), content_type="text/event-stream")
+    err = raises(retry, lambda: dify_trigger(session, mode="streaming"))
+    assert err.code == code and err.platform_ids == {"task_id": "t-1"}
+
+
+def test_dify_streaming_that_ends_early_is_retryable(mock, session):
+    mock.post(f"{DIFY}/v1/workflows/run", body="event: ping\n\n", content_type="text/event-stream")
+    raises(R, lambda: dify_trigger(session, mode="streaming"))
+
+
+def test_dify_streaming_http_error_is_classified(mock, session):
+    mock.post(f"{DIFY}/v1/workflows/run", status=400, json={"code": "invalid_param", "message": "x"})
+    raises(F, lambda: dify_trigger(session, mode="streaming"))
+
+
+def test_dify_poll(mock, session):
+    mock.get(f"{DIFY}/v1/workflows/run/r-1", json={"id": "r-1", "status": "succeeded", "outputs": {"n": 1}})
+    mock.get(f"{DIFY}/v1/workflows/run/r-1", json={"id": "r-1", "status": "failed", "error": "node X"})
+    mock.get(f"{DIFY}/v1/workflows/run/r-1", status=404, json={"code": "not_found", "message": "gone"})
+    connector = get_connector("dify")
+    assert connector.poll(dify_call(), {"run_id": "r-1"}, session).answer.output == {"n": 1}
+    assert "node X" in raises(IDEM, lambda: connector.poll(dify_call(), {"run_id": "r-1"}, session)).message
+    err = raises(F, lambda: connector.poll(dify_call(), {"run_id": "r-1"}, session))
+    assert err.platform_ids == {"workflow_run_id": "r-1"}
+    assert mock.calls[0].request.headers["Authorization"] == f"Bearer {DIFY_KEY}"
+
+
+# ---- coze ----
+
+COZE_RUN = f"{COZE}/v1/workflow/run"
+LOG = {"X-Tt-Logid": "log-123"}
+
+
+def coze_trigger(session, **target):
+    return get_connector("coze").trigger(coze_call(**target), session)
+
+
+@pytest.mark.parametrize("data, output, cursor", [
+    (json.dumps({"status": "succeeded", "output": {"n": 1}, "next_cursor": 5}), {"n": 1}, 5),
+    (json.dumps({"count": 3, "next_cursor": "c"}), {"count": 3, "next_cursor": "c"}, "c"),
+    (json.dumps({"count": 3}), {"count": 3}, None),
+    ("plain text answer", "plain text answer", None),
+])
+def test_coze_sync_data_is_a_json_string(mock, session, data, output, cursor):
+    mock.post(COZE_RUN, json={"code": 0, "msg": "", "data": data, "debug_url": "https://dbg/1"}, headers=LOG)
+    out = coze_trigger(session)
+    assert out.answer.output == output and out.answer.next_cursor == cursor
+    assert out.platform_ids == {"debug_url": "https://dbg/1", "log_id": "log-123"}
+
+
+def test_coze_sync_contract_that_breaks_it_is_fatal(mock, session):
+    mock.post(COZE_RUN, json={"code": 0, "data": json.dumps({"status": "ok"})}, headers=LOG)
+    assert raises(F, lambda: coze_trigger(session)).platform_ids == {"log_id": "log-123"}
+
+
+def test_coze_async_gives_an_execute_id(mock, session):
+    mock.post(COZE_RUN, json={"code": 0, "execute_id": "e-9", "debug_url": "https://dbg/9"}, headers=LOG)
+    out = coze_trigger(session, mode="async")
+    assert out == Running({"execute_id": "e-9"}, {"execute_id": "e-9", "debug_url": "https://dbg/9",
+                                                   "log_id": "log-123"})
+    assert json.loads(mock.calls[0].request.body)["is_async"] is True
+
+
+@pytest.mark.parametrize("http_status, code, retry", [
+    (200, 4009, R), (200, 4013, R), (200, 4020, R), (200, 5000, R),
+    *[(200, code, F) for code in (4000, 4100, 4101, 4200, 4010, 4011, 4019, 4022, 4008, 4314, 4315, 6003,
+                                  700012006)],
+    (200, 4999, F), (401, 4100, F), (429, 4020, R), (429, None, R), (500, 500, R), (502, None, R),
+])
+def test_coze_codes(mock, session, http_status, code, retry):
+    body = {"code": code, "msg": f"error about {COZE_TOKEN}", "detail": {"logid": "log-b"}} if code else None
+    mock.post(COZE_RUN, status=http_status, json=body, headers={**LOG, "Retry-After": "6"})
+    err = raises(retry, lambda: coze_trigger(session), COZE_TOKEN)
+    assert err.platform_ids["log_id"] == "log-123"
+    assert err.retry_after_s == (6.0 if retry is R else None)
+    if code:
+        assert err.code == str(code) and str(code) in err.message
+
+
+def test_coze_log_id_from_the_body_when_the_header_is_missing(mock, session):
+    mock.post(COZE_RUN, json={"code": 4200, "msg": "x", "detail": {"logid": "log-b"}})
+    assert raises(F, lambda: coze_trigger(session)).platform_ids == {"log_id": "log-b"}
+
+
+def history(status, **record):
+    return {"code": 0, "msg": "", "data": [{"execute_id": "e-9", "execute_status": status,
+                                             "debug_url": "https://dbg/9", **record}]}
+
+
+@pytest.mark.parametrize("studio, url", [
+    (False, f"{COZE}/v1/workflows/73/run_histories/e-9"),
+    (True, f"{COZE}/v1/workflow/get_run_history?workflow_id=73&execute_id=e-9"),
+])
+def test_coze_poll(mock, session, studio, url):
+    mock.get(url, json=history("Running"))
+    mock.get(url, json=history("Success", output=json.dumps({"Output": json.dumps({"count": 3})})))
+    mock.get(url, json=history("Fail", error_code="5000", error_message="node LLM failed"))
+    mock.get(url, json={"code": 4314, "msg": "record not found"})
+    stage, handle, connector = coze_call(studio=studio), {"execute_id": "e-9"}, get_connector("coze")
+    ids = {"execute_id": "e-9", "debug_url": "https://dbg/9"}
+    assert connector.poll(stage, handle, session) == Running(handle, ids)
+    assert connector.poll(stage, handle, session).answer.output == {"count": 3}
+    err = raises(IDEM, lambda: connector.poll(stage, handle, session))
+    assert "node LLM failed" in err.message and err.platform_ids == ids
+    raises(F, lambda: connector.poll(stage, handle, session))

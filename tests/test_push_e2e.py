@@ -1,0 +1,124 @@
+"""Push mode end to end: batchgate drives every batch through a flaky platform by itself.
+
+A stand-in platform (examples/resume_screening/platform.py) runs the process stage in callback mode,
+failing 20 % of calls with "Error in workflow" and dropping 5 % of callbacks; the store stage answers
+synchronously and counts stores by Idempotency-Key. RQ workers run as real processes and are SIGKILLed
+twice during the run. The job must finish with every batch stored exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from gateway.app import create_app
+from gateway.dispatch import Dispatcher
+from gateway.ledger import Ledger
+from gateway.supervisor import Supervisor
+from tests.conftest import TOKEN
+from tests.http import ApiClient, serve_app
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "resume_screening"))
+from standin_platform import StandInPlatform  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+RETRY = {"initial_interval": 0.2, "maximum_interval": 2, "maximum_attempts": 12}
+
+
+def push_flow(platform_url: str, batches: int) -> dict:
+    return {
+        "id": "push-e2e", "version": "1", "batching": {"max_items": 2}, "concurrency": 16,
+        "source": {"type": "sequence", "count": batches * 2},
+        "stages": [
+            {"name": "process", "lease": 3, "idempotent": True, "retry": RETRY, "timeout": 5,
+             "target": {"type": "http", "url": f"{platform_url}/score", "mode": "callback"}},
+            {"name": "store", "lease": 5, "idempotent": True, "retry": RETRY, "timeout": 5,
+             "target": {"type": "http", "url": f"{platform_url}/store", "mode": "sync"}},
+        ],
+    }
+
+
+class Workers:
+    """`batchgate worker` processes, killable with SIGKILL."""
+
+    def __init__(self, env: dict[str, str], count: int) -> None:
+        self.env, self.count = env, count
+        self.procs: list = []
+
+    def start(self) -> None:
+        for _ in range(self.count):
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "gateway.cli", "worker"], env=self.env, start_new_session=True,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs = []
+
+
+def test_flaky_platform_and_killed_workers_store_every_batch_exactly_once(
+        settings, redis_client, tmp_path):
+    batches = 200
+    with StandInPlatform(fail_rate=0.2, drop_rate=0.05, duplicate_rate=0.05, seed=7) as platform:
+        data = tmp_path / "data"
+        own = settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"], "data_dir": data,
+                                          "supervisor_interval": timedelta(milliseconds=100)})
+        holder: dict = {}
+
+        def app(environ, start_response):  # late-bound: public_url needs the listening port
+            return holder["app"](environ, start_response)
+
+        base, stop_api = serve_app(app)
+        own = own.model_copy(update={"public_url": base})
+        holder["app"] = create_app(own, redis_client)
+        env = {**os.environ, "BATCHGATE_REDIS_URL": own.redis_url.get_secret_value(),
+               "BATCHGATE_SIGNING_KEY": own.signing_secret().decode(), "BATCHGATE_PUBLIC_URL": base,
+               "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]', "BATCHGATE_LOG_LEVEL": "WARNING",
+               "BATCHGATE_DATA_DIR": str(data)}
+        ledger = Ledger(redis_client, own)
+        sup = Supervisor(ledger, name="e2e", dispatcher=Dispatcher.build(own, ledger))
+        threading.Thread(target=sup.run, daemon=True).start()
+        workers = Workers(env, count=2)
+        workers.start()
+        try:
+            api = ApiClient(base, TOKEN)
+            assert api.post("/v1/flows", json=push_flow(platform.url, batches)).status_code == 201
+            job_id = api.post("/v1/jobs", json={"flow_id": "push-e2e"}).json()["job_id"]
+            for fraction in (0.3, 0.6):
+                deadline = time.monotonic() + 120
+                while api.get(f"/v1/jobs/{job_id}").json()["batches"]["completed"] < fraction * batches:
+                    assert time.monotonic() < deadline, "push job stalled"
+                    time.sleep(0.05)
+                workers.kill()
+                time.sleep(0.5)
+                workers.start()
+            deadline = time.monotonic() + 180
+            while (job := api.get(f"/v1/jobs/{job_id}").json())["status"] == "running":
+                assert time.monotonic() < deadline, f"push job did not finish: {job}"
+                time.sleep(0.1)
+        finally:
+            workers.kill()
+            sup.stop.set()
+            stop_api()
+    stats = platform.stats()
+    assert job["status"] == "succeeded", job
+    assert job["items_done"] == batches * 2
+    assert stats["stored_keys"] == batches  # one stored result per batch, by idempotency key
+    assert all(key == f"{job_id}:{seq}:store" for seq, key in
+               enumerate(sorted(platform.stored, key=lambda k: int(k.split(":")[1]))))
+    log = redis_client.xrange(ledger.keys.job(job_id).log)
+    commits = [(f["seq"], f["stage"]) for _, f in log if f["event"] == "stage_completed"]
+    assert len(commits) == len(set(commits)) == batches * 2  # no stage committed twice
+    assert stats["calls"]["/score"] > batches  # failures and drops really happened and were retried
