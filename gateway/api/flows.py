@@ -6,7 +6,9 @@ from flask import Blueprint, g, jsonify
 
 from gateway.api.common import json_body
 from gateway.app import request_services
+from gateway.dispatch import target_urls
 from gateway.flows import parse_flow
+from gateway.urlguard import Allowlist, check_url
 
 bp = Blueprint("flows", __name__, url_prefix="/v1/flows")
 
@@ -15,7 +17,12 @@ bp = Blueprint("flows", __name__, url_prefix="/v1/flows")
 def register():
     """Register a flow version; 201 new, 200 identical, 409 same version with other content."""
     flow = parse_flow(json_body())
-    record, created = request_services().flows.register(g.tenant, flow)
+    services = request_services()
+    allow = Allowlist.parse(services.settings.outbound_allow)
+    for stage in flow.stages:
+        for url in target_urls(stage.target or {}):
+            check_url(url, allow)
+    record, created = services.flows.register(g.tenant, flow)
     return jsonify(record), 201 if created else 200
 
 
