@@ -70,9 +70,7 @@ def validate_target(target: dict[str, Any]) -> dict[str, Any]:
         ValueError: naming the field at fault.
     """
     check = TargetChecker(target, "coze", FIELDS)
-    base = check.url("base_url", "https://api.coze.com", base=True)
-    if base.endswith("/v1"):
-        check.result["base_url"] = base[:-len("/v1")]
+    check.api_base("base_url", "https://api.coze.com")
     check.secret_name("token_secret", required=True, what="Coze access token")
     check.string("workflow_id", required=True)
     check.choice("mode", ("sync", "async"), "sync")

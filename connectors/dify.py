@@ -73,9 +73,7 @@ def validate_target(target: dict[str, Any]) -> dict[str, Any]:
         ValueError: naming the field at fault.
     """
     check = TargetChecker(target, "dify", FIELDS)
-    base = check.url("base_url", "https://api.dify.ai", base=True)
-    if base.endswith("/v1"):
-        check.result["base_url"] = base[:-len("/v1")]
+    check.api_base("base_url", "https://api.dify.ai")
     check.secret_name("api_key_secret", required=True, what="Dify app API key")
     check.choice("mode", ("blocking", "streaming"), "blocking")
     workflow_id = check.string("workflow_id")

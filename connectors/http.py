@@ -21,7 +21,6 @@ from connectors.transport import http_error, json_body, parse_contract, require_
 
 PLATFORM = "http target"
 FIELDS = ("url", "method", "mode", "headers", "auth_secret", "auth_header", "auth_scheme")
-METHODS = ("POST", "PUT", "PATCH")
 
 
 def validate_target(target: dict[str, Any]) -> dict[str, Any]:
@@ -35,9 +34,7 @@ def validate_target(target: dict[str, Any]) -> dict[str, Any]:
     """
     check = TargetChecker(target, "http", FIELDS)
     check.url("url", required=True)
-    check.result["method"] = str(target.get("method") or "POST").upper()
-    if check.result["method"] not in METHODS:
-        raise check.fail(f"method must be one of {', '.join(METHODS)} (the envelope travels as the body)")
+    check.method()
     check.choice("mode", ("sync", "callback"), "sync")
     check.headers("headers")
     check.secret_name("auth_secret", what="endpoint's credential")

@@ -28,7 +28,6 @@ from connectors.transport import answer_from_value, clip, contract_error, dig, h
 
 PLATFORM = "n8n"
 FIELDS = ("url", "method", "mode", "auth", "auth_secret", "auth_header", "api_url", "api_key_secret")
-METHODS = ("POST", "PUT", "PATCH")
 RUNNING_STATUSES = ("new", "running", "waiting")
 FAILED_STATUSES = ("error", "crashed")
 STARTED_MESSAGE = "Workflow was started"
@@ -59,9 +58,7 @@ def validate_target(target: dict[str, Any]) -> dict[str, Any]:
     """
     check = TargetChecker(target, "n8n", FIELDS)
     check.url("url", required=True)
-    check.result["method"] = str(target.get("method") or "POST").upper()
-    if check.result["method"] not in METHODS:
-        raise check.fail(f"method must be one of {', '.join(METHODS)} (the envelope travels as the body)")
+    check.method()
     check.choice("mode", ("sync", "callback"), "sync")
     auth_secret = check.secret_name("auth_secret", what="webhook credential")
     auth = check.choice("auth", ("header", "basic", "none"), "header" if auth_secret else "none")

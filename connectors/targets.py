@@ -23,6 +23,9 @@ GATEWAY_FIELDS = ("max_in_flight",)
 MAX_IN_FLIGHT_LIMIT = 1000
 
 
+BODY_METHODS = ("POST", "PUT", "PATCH")
+
+
 class TargetChecker:
     """Reads one target dict field by field; ``result`` holds the checked, defaulted copy."""
 
@@ -84,6 +87,23 @@ class TargetChecker:
             raise self.fail(f"{name} must be true or false")
         self.result[name] = value
         return value
+
+    def method(self) -> str:
+        """``method``: POST (default), PUT or PATCH, since the envelope travels as the body."""
+        method = str(self.target.get("method") or "POST").upper()
+        if method not in BODY_METHODS:
+            raise self.fail(f"method must be one of {', '.join(BODY_METHODS)} "
+                            "(the envelope travels as the body)")
+        self.result["method"] = method
+        return method
+
+    def api_base(self, name: str, default: str) -> str:
+        """A platform's API base URL, without trailing slashes or a trailing ``/v1``."""
+        base = self.url(name, default, base=True)
+        if base.endswith("/v1"):
+            base = base[:-len("/v1")]
+            self.result[name] = base
+        return base
 
     def url(self, name: str, default: str | None = None, *, required: bool = False,
             base: bool = False) -> str | None:
