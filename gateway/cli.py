@@ -77,11 +77,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         tokens = {procs.dev_token(settings.data_dir): "default"}
         print(f"batchgate: no BATCHGATE_TOKENS set; a development token for tenant 'default' is in "
               f"{(settings.data_dir / procs.TOKEN_FILE).resolve()}")
-    url = client.connection_pool.connection_kwargs
-    redis_url = (settings.redis_url.get_secret_value() if settings.redis_url
-                 else f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}")
-    env = procs.child_env(settings, redis_url, tokens)
+    redis_url = (settings.redis_url or embedded_url(client)).get_secret_value()
     port = args.port or settings.port
+    env = procs.child_env(settings, redis_url, tokens)
+    env["BATCHGATE_PORT"] = str(port)
+    env.setdefault("BATCHGATE_PUBLIC_URL", f"http://{settings.host}:{port}")
     api = procs.start_api(env, settings.host, port)
     sup = procs.start_supervisor(env)
     worker = procs.start_worker(env)

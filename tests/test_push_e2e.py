@@ -8,12 +8,14 @@ twice during the run. The job must finish with every batch stored exactly once.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from gateway.ledger import Ledger
 from gateway.supervisor import Supervisor
 from tests.conftest import TOKEN
 from tests.http import ApiClient, serve_app
+from tests.platforms import FakeDify
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "resume_screening"))
 from standin_platform import StandInPlatform  # noqa: E402
@@ -68,57 +71,84 @@ class Workers:
         self.procs = []
 
 
+@contextmanager
+def push_stack(settings, redis_client, data: Path, workers: int, secrets: dict | None = None):
+    """API on a real socket, a supervisor thread with a dispatcher, and `batchgate worker` processes."""
+    own = settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"], "data_dir": data,
+                                      "supervisor_interval": timedelta(milliseconds=100),
+                                      "secrets": secrets or {}})
+    holder: dict = {}
+    base, stop_api = serve_app(lambda environ, start: holder["app"](environ, start))
+    own = own.model_copy(update={"public_url": base})  # callback URLs need the listening port
+    holder["app"] = create_app(own, redis_client)
+    env = {**os.environ, "BATCHGATE_REDIS_URL": own.redis_url.get_secret_value(),
+           "BATCHGATE_SIGNING_KEY": own.signing_secret().decode(), "BATCHGATE_PUBLIC_URL": base,
+           "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]', "BATCHGATE_LOG_LEVEL": "WARNING",
+           "BATCHGATE_DATA_DIR": str(data), "BATCHGATE_SECRETS": json.dumps(secrets or {})}
+    ledger = Ledger(redis_client, own)
+    sup = Supervisor(ledger, name="e2e", dispatcher=Dispatcher.build(own, ledger))
+    threading.Thread(target=sup.run, daemon=True).start()
+    pool = Workers(env, count=workers)
+    pool.start()
+    try:
+        yield ApiClient(base, TOKEN), ledger, pool
+    finally:
+        pool.kill()
+        sup.stop.set()
+        stop_api()
+
+
+def wait_done(api: ApiClient, job_id: str, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (job := api.get(f"/v1/jobs/{job_id}").json())["status"] == "running":
+        assert time.monotonic() < deadline, f"push job did not finish: {job}"
+        time.sleep(0.1)
+    return job
+
+
 def test_flaky_platform_and_killed_workers_store_every_batch_exactly_once(
         settings, redis_client, tmp_path):
     batches = 200
-    with StandInPlatform(fail_rate=0.2, drop_rate=0.05, duplicate_rate=0.05, seed=7) as platform:
-        data = tmp_path / "data"
-        own = settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"], "data_dir": data,
-                                          "supervisor_interval": timedelta(milliseconds=100)})
-        holder: dict = {}
-
-        def app(environ, start_response):  # late-bound: public_url needs the listening port
-            return holder["app"](environ, start_response)
-
-        base, stop_api = serve_app(app)
-        own = own.model_copy(update={"public_url": base})
-        holder["app"] = create_app(own, redis_client)
-        env = {**os.environ, "BATCHGATE_REDIS_URL": own.redis_url.get_secret_value(),
-               "BATCHGATE_SIGNING_KEY": own.signing_secret().decode(), "BATCHGATE_PUBLIC_URL": base,
-               "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]', "BATCHGATE_LOG_LEVEL": "WARNING",
-               "BATCHGATE_DATA_DIR": str(data)}
-        ledger = Ledger(redis_client, own)
-        sup = Supervisor(ledger, name="e2e", dispatcher=Dispatcher.build(own, ledger))
-        threading.Thread(target=sup.run, daemon=True).start()
-        workers = Workers(env, count=2)
-        workers.start()
-        try:
-            api = ApiClient(base, TOKEN)
-            assert api.post("/v1/flows", json=push_flow(platform.url, batches)).status_code == 201
-            job_id = api.post("/v1/jobs", json={"flow_id": "push-e2e"}).json()["job_id"]
-            for fraction in (0.3, 0.6):
-                deadline = time.monotonic() + 120
-                while api.get(f"/v1/jobs/{job_id}").json()["batches"]["completed"] < fraction * batches:
-                    assert time.monotonic() < deadline, "push job stalled"
-                    time.sleep(0.05)
-                workers.kill()
-                time.sleep(0.5)
-                workers.start()
-            deadline = time.monotonic() + 180
-            while (job := api.get(f"/v1/jobs/{job_id}").json())["status"] == "running":
-                assert time.monotonic() < deadline, f"push job did not finish: {job}"
-                time.sleep(0.1)
-        finally:
+    with StandInPlatform(fail_rate=0.2, drop_rate=0.05, duplicate_rate=0.05, seed=7) as platform, \
+            push_stack(settings, redis_client, tmp_path / "data", workers=2) as (api, ledger, workers):
+        assert api.post("/v1/flows", json=push_flow(platform.url, batches)).status_code == 201
+        job_id = api.post("/v1/jobs", json={"flow_id": "push-e2e"}).json()["job_id"]
+        for fraction in (0.3, 0.6):
+            deadline = time.monotonic() + 120
+            while api.get(f"/v1/jobs/{job_id}").json()["batches"]["completed"] < fraction * batches:
+                assert time.monotonic() < deadline, "push job stalled"
+                time.sleep(0.05)
             workers.kill()
-            sup.stop.set()
-            stop_api()
+            time.sleep(0.5)
+            workers.start()
+        job = wait_done(api, job_id, 180)
     stats = platform.stats()
     assert job["status"] == "succeeded", job
     assert job["items_done"] == batches * 2
     assert stats["stored_keys"] == batches  # one stored result per batch, by idempotency key
-    assert all(key == f"{job_id}:{seq}:store" for seq, key in
-               enumerate(sorted(platform.stored, key=lambda k: int(k.split(":")[1]))))
+    assert set(platform.stored) == {f"{job_id}:{seq}:store" for seq in range(batches)}
     log = redis_client.xrange(ledger.keys.job(job_id).log)
     commits = [(f["seq"], f["stage"]) for _, f in log if f["event"] == "stage_completed"]
     assert len(commits) == len(set(commits)) == batches * 2  # no stage committed twice
     assert stats["calls"]["/score"] > batches  # failures and drops really happened and were retried
+
+
+def test_polled_dify_runs_finish_through_rq_scheduler(settings, redis_client, tmp_path):
+    flow = {"id": "dify-poll", "version": "1", "batching": {"max_items": 2}, "concurrency": 4,
+            "source": {"type": "sequence", "count": 6},
+            "stages": [{"name": "summarise", "lease": 10, "poll_interval": 0.2,
+                        "target": None}]}
+    with FakeDify(api_key="app-e2e-key") as dify, \
+            push_stack(settings, redis_client, tmp_path / "data", workers=1,
+                       secrets={"dify_app": "app-e2e-key"}) as (api, ledger, _):
+        dify.plan("async", "async", "async")
+        flow["stages"][0]["target"] = {"type": "dify", "base_url": dify.base_url,
+                                       "api_key_secret": "dify_app", "mode": "blocking"}
+        assert api.post("/v1/flows", json=flow).status_code == 201
+        job_id = api.post("/v1/jobs", json={"flow_id": "dify-poll"}).json()["job_id"]
+        job = wait_done(api, job_id, 60)
+        polls = [r for r in dify.requests if r.method == "GET"]
+    assert job["status"] == "succeeded", job
+    assert len(polls) >= 3  # each run was polled until it finished
+    events = [f["event"] for _, f in redis_client.xrange(ledger.keys.job(job_id).log)]
+    assert events.count("platform_running") == 3 and events.count("stage_completed") == 3
