@@ -88,11 +88,11 @@ def http_worker(base: str, job_id: str, acked: list, done: threading.Event) -> N
                 try:
                     c = s.post(f"{base}/v1/jobs/{job_id}/batches/{env['seq']}/complete", json=body, timeout=5)
                     break
-                except requests.ConnectionError:
+                except requests.RequestException:  # refused, or cut off mid-answer by the kill
                     time.sleep(0.05)
             if c.status_code == 200:
                 acked.append((env["seq"], env["stage_index"]))
-        except requests.ConnectionError:
+        except requests.RequestException:
             time.sleep(0.05)
 
 

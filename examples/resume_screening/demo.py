@@ -134,7 +134,9 @@ class Demo:
         worker = self.start_worker(job_id)
         self.children.append(worker)
         uncommitted = self.kill_midway(client, job_id, worker)
-        print("restarting the worker; the supervisor hands expired leases back out")
+        print("restarting the worker; " + ("platform callbacks kept committing while it was down"
+                                           if self.mode == "push" else
+                                           "the supervisor hands expired leases back out"))
         self.children.append(self.start_worker(job_id))
         final = self.watch(client, job_id, until=lambda j: j["status"] in ("succeeded", "failed"))
         return self.report(client, job_id, final, uncommitted)
