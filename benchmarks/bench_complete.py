@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import redis.connection
 from _common import ledger_on_private_redis, start_job
@@ -22,7 +22,7 @@ class RoundTrips:
         self.count = 0
         self._orig = redis.connection.AbstractConnection.send_packed_command
 
-    def __enter__(self) -> "RoundTrips":
+    def __enter__(self) -> RoundTrips:
         counter = self
 
         def counting(conn, command, check_health=True):

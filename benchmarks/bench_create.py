@@ -11,6 +11,7 @@ import statistics
 import time
 
 from _common import ledger_on_private_redis
+
 from gateway.flows import parse_flow
 from gateway.jobs import JobRequest
 

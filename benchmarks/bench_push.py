@@ -15,12 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+import redis
 from _common import ledger_on_private_redis
 from _noop_platform import start as start_platform
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-import redis
 from gateway.dispatch import Dispatcher
 from gateway.flows import parse_flow
 from gateway.jobs import JobRequest

@@ -68,7 +68,7 @@ class Answer:
     error_retryable: bool = True
 
     @classmethod
-    def parse(cls, body: Any) -> "Answer":
+    def parse(cls, body: Any) -> Answer:
         """Read ``{"status", "output", "next_cursor"?, "error": {"message", "retryable"}}``.
 
         Raises ValueError with a precise message when the body does not follow the contract.

@@ -21,11 +21,29 @@ from urllib.parse import quote, urlencode
 
 import requests
 
-from connectors.base import Answer, Done, Outcome, PlatformError, Retry, Running, StageCall, classify_http, \
-    map_fields, retry_after_s
+from connectors.base import (
+    Answer,
+    Done,
+    Outcome,
+    PlatformError,
+    Retry,
+    Running,
+    StageCall,
+    classify_http,
+    map_fields,
+    retry_after_s,
+)
 from connectors.targets import TargetChecker, checked
-from connectors.transport import answer_from_value, clip, dig, ids, json_body, parse_json_text, \
-    require_secret, send
+from connectors.transport import (
+    answer_from_value,
+    clip,
+    dig,
+    ids,
+    json_body,
+    parse_json_text,
+    require_secret,
+    send,
+)
 
 PLATFORM = "coze"
 FIELDS = ("base_url", "token_secret", "workflow_id", "mode", "studio", "parameters", "bot_id", "app_id",

@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import quote
 
 import requests
@@ -27,8 +28,16 @@ import urllib3
 
 from connectors.base import Done, Outcome, PlatformError, Retry, Running, StageCall, map_fields
 from connectors.targets import TargetChecker, checked
-from connectors.transport import answer_from_value, clip, http_error, ids, json_body, parse_json_text, \
-    require_secret, send
+from connectors.transport import (
+    answer_from_value,
+    clip,
+    http_error,
+    ids,
+    json_body,
+    parse_json_text,
+    require_secret,
+    send,
+)
 
 PLATFORM = "dify"
 FIELDS = ("base_url", "api_key_secret", "mode", "workflow_id", "inputs", "user")

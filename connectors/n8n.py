@@ -23,8 +23,19 @@ import requests
 
 from connectors.base import Accepted, Answer, Done, Outcome, PlatformError, Retry, Running, StageCall
 from connectors.targets import TargetChecker, checked
-from connectors.transport import answer_from_value, clip, contract_error, dig, http_error, ids, json_body, \
-    parse_contract, platform_message, require_secret, send
+from connectors.transport import (
+    answer_from_value,
+    clip,
+    contract_error,
+    dig,
+    http_error,
+    ids,
+    json_body,
+    parse_contract,
+    platform_message,
+    require_secret,
+    send,
+)
 
 PLATFORM = "n8n"
 FIELDS = ("url", "method", "mode", "auth", "auth_secret", "auth_header", "api_url", "api_key_secret")

@@ -8,7 +8,8 @@ type and the field, and never echoes a value that may be a secret.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 from connectors.base import PlatformError, Retry

@@ -14,8 +14,16 @@ from urllib.parse import urlsplit
 
 import requests
 
-from connectors.base import Answer, PlatformError, Retry, StageCall, classify_http, encode, retry_after_s, \
-    signed_headers
+from connectors.base import (
+    Answer,
+    PlatformError,
+    Retry,
+    StageCall,
+    classify_http,
+    encode,
+    retry_after_s,
+    signed_headers,
+)
 
 log = logging.getLogger(__name__)
 

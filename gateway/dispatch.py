@@ -27,7 +27,15 @@ from rq.serializers import JSONSerializer
 
 import connectors
 from connectors.base import (
-    Accepted, Answer, Connector, Done, Outcome, PlatformError, Retry, Running, StageCall,
+    Accepted,
+    Answer,
+    Connector,
+    Done,
+    Outcome,
+    PlatformError,
+    Retry,
+    Running,
+    StageCall,
 )
 from gateway.embedded import client_for
 from gateway.errors import BatchgateError, NotFound, StaleLease
@@ -68,7 +76,7 @@ class Dispatcher:
     allow: Allowlist
 
     @classmethod
-    def build(cls, settings: Settings, ledger: Ledger | None = None) -> "Dispatcher":
+    def build(cls, settings: Settings, ledger: Ledger | None = None) -> Dispatcher:
         url = settings.redis_url.get_secret_value() if settings.redis_url else None
         if url is None:
             raise RuntimeError("push mode needs BATCHGATE_REDIS_URL (set by `batchgate up`)")

@@ -89,7 +89,7 @@ class FlowSpec(BaseModel):
     retention: timedelta = timedelta(days=7)
 
     @model_validator(mode="after")
-    def _check(self) -> "FlowSpec":
+    def _check(self) -> FlowSpec:
         names = [s.name for s in self.stages]
         if len(set(names)) != len(names):
             raise ValueError("stage names must be unique")

@@ -58,7 +58,7 @@ class JobSpec:
         }
 
     @classmethod
-    def from_fields(cls, fields: dict[str, str]) -> "JobSpec":
+    def from_fields(cls, fields: dict[str, str]) -> JobSpec:
         hint = fields.get("total_hint")
         return cls(
             job_id=fields["job_id"],

@@ -37,6 +37,6 @@ class Scripts:
     slot: Script
 
     @classmethod
-    def register(cls, client: redis.Redis) -> "Scripts":
+    def register(cls, client: redis.Redis) -> Scripts:
         """Register every operation's script with ``client`` (EVALSHA, loaded on first use)."""
         return cls(**{name: client.register_script(source(name)) for name in OPERATIONS})

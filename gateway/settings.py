@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from secrets import token_urlsafe
 from datetime import timedelta
 from pathlib import Path
+from secrets import token_urlsafe
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator

@@ -10,7 +10,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from typing import Any
 
 import redis

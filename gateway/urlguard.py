@@ -38,7 +38,7 @@ class Allowlist:
     networks: tuple[Network, ...] = ()
 
     @classmethod
-    def parse(cls, entries: list[str]) -> "Allowlist":
+    def parse(cls, entries: list[str]) -> Allowlist:
         """Entries are CIDRs (``127.0.0.1/32``, ``10.0.0.0/8``) or host names (``n8n.internal``)."""
         hosts, networks = set(), []
         for entry in entries:

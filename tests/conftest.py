@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from gateway.embedded import EmbeddedRedis, client_for

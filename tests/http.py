@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import requests
 from werkzeug.serving import make_server
@@ -33,7 +34,7 @@ class ApiClient:
         if token:
             self.session.headers["Authorization"] = f"Bearer {token}"
 
-    def as_token(self, token: str | None) -> "ApiClient":
+    def as_token(self, token: str | None) -> ApiClient:
         return ApiClient(self.base, token)
 
     def request(self, method: str, path: str, **kwargs: Any) -> requests.Response:

@@ -133,7 +133,7 @@ class FakePlatform:
         self._thread: threading.Thread | None = None
 
     # lifecycle
-    def start(self) -> "FakePlatform":
+    def start(self) -> FakePlatform:
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.platform = self  # type: ignore[attr-defined]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02},
@@ -149,7 +149,7 @@ class FakePlatform:
             self._thread.join()
             self._server = None
 
-    def __enter__(self) -> "FakePlatform":
+    def __enter__(self) -> FakePlatform:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

@@ -7,8 +7,7 @@ codes, problem+json bodies, headers, and that a refused request left the job exa
 from __future__ import annotations
 
 import json
-import threading
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -517,7 +516,7 @@ def test_lease_envelope(api):
     assert env["params"] == {"p": 1}
     assert isinstance(env["lease_token"], str) and len(env["lease_token"]) >= 16
     deadline = datetime.strptime(env["lease_deadline"], "%Y-%m-%dT%H:%M:%S.%fZ")
-    assert deadline.replace(tzinfo=timezone.utc) > datetime.now(timezone.utc)
+    assert deadline.replace(tzinfo=UTC) > datetime.now(UTC)
 
     # the next stage of the same batch gets the previous output as input
     assert complete(api, env, {"scores": [9, 8]}).status_code == 200

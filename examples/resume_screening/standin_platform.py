@@ -59,7 +59,7 @@ class StandInPlatform:
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_port}"
 
-    def __enter__(self) -> "StandInPlatform":
+    def __enter__(self) -> StandInPlatform:
         self.start()
         return self
 

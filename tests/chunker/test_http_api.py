@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from typing import Any
 
@@ -189,7 +189,7 @@ def test_connection_refused_is_retryable():
 
 @responses.activate
 def test_retry_after_http_date_and_401_classification():
-    when = datetime.now(timezone.utc) + timedelta(seconds=120)
+    when = datetime.now(UTC) + timedelta(seconds=120)
     retry_after = format_datetime(when, usegmt=True)
     responses.get("https://api.test/busy", status=503, headers={"Retry-After": retry_after})
     responses.get("https://api.test/auth", status=401)

@@ -10,8 +10,16 @@ import pytest
 
 from connectors import get_connector
 from connectors.base import Accepted, Done, Retry, Running
-from tests.connectors.helpers import COZE_TOKEN, DIFY_KEY, HOOK_SECRET, N8N_API_KEY, assert_signed, call, \
-    envelope, raises
+from tests.connectors.helpers import (
+    COZE_TOKEN,
+    DIFY_KEY,
+    HOOK_SECRET,
+    N8N_API_KEY,
+    assert_signed,
+    call,
+    envelope,
+    raises,
+)
 from tests.platforms import FakeCoze, FakeDify, FakeHttpPlatform, FakeN8n
 
 R, IDEM, F = Retry.RETRYABLE, Retry.IF_IDEMPOTENT, Retry.FATAL

@@ -9,8 +9,15 @@ import pytest
 import connectors
 from connectors import get_connector, validate_target
 from connectors.base import encode
-from tests.connectors.helpers import COZE_TOKEN, DIFY_KEY, N8N_API_KEY, assert_signed, call, envelope, \
-    sent_json
+from tests.connectors.helpers import (
+    COZE_TOKEN,
+    DIFY_KEY,
+    N8N_API_KEY,
+    assert_signed,
+    call,
+    envelope,
+    sent_json,
+)
 
 DIFY = "https://dify.example"
 COZE = "https://coze.example"
