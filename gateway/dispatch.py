@@ -269,11 +269,8 @@ def commit_answer(ledger: Ledger, spec: JobSpec, stage: Stage, seq: int, token: 
     if not answer.succeeded:
         return ledger.fail(spec.job_id, seq, token, answer.error_message or "platform reported failure",
                            retryable=answer.error_retryable, actor="platform")
-    items = None
-    if stage.fetches and isinstance(answer.output, dict) and isinstance(answer.output.get("items"), list):
-        items = answer.output["items"]
     next_cursor = answer.next_cursor if answer.has_next_cursor else ABSENT
-    return ledger.complete(spec.job_id, seq, token, answer.output, next_cursor, items)
+    return ledger.complete(spec.job_id, seq, token, answer.output, next_cursor)
 
 
 def _now_ms(r: redis.Redis) -> int:

@@ -216,7 +216,7 @@ class Ledger:
         ordered = sorted(stages, reverse=True)
         for idx in ordered:
             pipe.zrangebyscore(k.ready(idx), "-inf", now, start=0, num=1)
-        for idx, found in zip(ordered, pipe.execute()):
+        for idx, found in zip(ordered, pipe.execute(), strict=True):
             if found:
                 return int(found[0]), idx
         return None, -1
@@ -286,16 +286,25 @@ class Ledger:
 
     def complete(self, job_id: str, seq: int, token: str, output: Any,
                  next_cursor: Any = ABSENT, items: list | None = None) -> dict[str, Any]:
-        """Commit the leased stage's output: one script, one round trip."""
+        """Commit the leased stage's output: one script, one round trip.
+
+        A fetching first stage gives the batch its items in ``items``, or as ``output["items"]``.
+        """
         spec = self.spec(job_id)
-        if items is not None and not spec.flow.stages[0].fetches:
+        fetches = spec.flow.stages[0].fetches
+        if items is not None and not fetches:
             raise InvalidRequest("items may only be sent by a fetching first stage (fetches: true)")
+        from_output = (items is None and fetches and isinstance(output, dict)
+                       and isinstance(output.get("items"), list))
+        if from_output:
+            items = output["items"]
         k = self.keys.job(job_id)
         res = self.scripts.complete(
             keys=[k.job, k.batch(seq), k.items(seq), k.leases, k.done, k.log, *self._ready_keys(spec)],
             args=[token, dumps(output), "" if next_cursor is ABSENT else dumps(next_cursor),
                   "" if items is None else dumps(items), len(items or ()), spec.stage_count,
-                  self.settings.log_maxlen, spec.budget_total, spec.flow.tolerated_failure_percentage])
+                  self.settings.log_maxlen, spec.budget_total, spec.flow.tolerated_failure_percentage,
+                  "1" if from_output else "0"])
         if res[0] == "duplicate":
             stage, attempt = int(res[1]), int(res[2])
         else:

@@ -4,6 +4,7 @@
 -- ARGV[1] lease token   ARGV[2] output (JSON)   ARGV[3] next cursor (JSON; '' = none given)
 -- ARGV[4] items fetched by this stage (JSON list; '' = none)   ARGV[5] item count of ARGV[4]
 -- ARGV[6] number of stages   ARGV[7] log maxlen   ARGV[8] budget total   ARGV[9] tolerated failure %
+-- ARGV[10] '1' if ARGV[4] was taken from the output's "items" (ignored unless this is the fetch stage)
 -- Returns {'ok', next_stage (-1 = batch committed), job status, attempt, stage}
 --       | {'duplicate', stage, attempt}  (the same lease already committed this stage)
 --       | {'stale', status, attempt} | {'corrupt'} | {'missing'} | {'invalid', message}
@@ -22,7 +23,11 @@ if batch['status'] ~= 'leased' or batch['lease_token'] ~= token then
   end
   return {'stale', batch['status'], batch['attempt']}
 end
-if ARGV[4] ~= '' and batch['stage'] ~= '0' then return {'invalid', 'only the first (fetching) stage may send items'} end
+local items = ARGV[4]
+if items ~= '' and batch['stage'] ~= '0' then
+  if ARGV[10] ~= '1' then return {'invalid', 'only the first (fetching) stage may send items'} end
+  items = ''
+end
 local now = now_ms()
 local seq = batch['seq']
 local attempt = batch['attempt']
@@ -44,8 +49,8 @@ bchg['out:' .. stage] = ARGV[2]
 bchg['st:' .. stage] = 'completed'
 bchg['c:' .. stage] = attempt .. ' ' .. token
 redis.call('ZREM', KEYS[4], seq)
-if ARGV[4] ~= '' then
-  redis.call('SET', KEYS[3], ARGV[4])
+if items ~= '' then
+  redis.call('SET', KEYS[3], items)
   bchg['n_items'] = ARGV[5]
 end
 if sets_cursor then
