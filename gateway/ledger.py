@@ -252,7 +252,9 @@ class Ledger:
                                      max_bytes=spec.flow.batching.max_bytes)
         except chunker.SourceReadError as exc:
             if exc.retryable:
-                raise SourceUnavailable(f"source of job {spec.job_id} unavailable: {exc}") from exc
+                wait = timedelta(seconds=getattr(exc, "retry_after_s", None) or 5)
+                raise SourceUnavailable(f"source of job {spec.job_id} unavailable: {exc}",
+                                        retry_after=wait) from exc
             self._fail_job(spec.job_id, f"source unreadable: {exc}")
             raise FatalError(f"source of job {spec.job_id} cannot be read: {exc}") from exc
         except chunker.SourceSpecError as exc:

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from gateway.errors import CorruptRecord, NotFound
+from gateway.errors import BatchgateError, CorruptRecord, NotFound
 from gateway.ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -73,22 +73,27 @@ class Supervisor:
 
     def tick(self) -> None:
         """One pass: expire due leases of active jobs; retire finished jobs from the active set."""
-        r = self.ledger.r
-        for job_id in r.smembers(self.ledger.keys.active):
+        for job_id in self.ledger.r.smembers(self.ledger.keys.active):
             try:
-                job = self.ledger.job_fields(job_id)
+                self._tick_job(job_id)
             except (NotFound, CorruptRecord):
-                r.srem(self.ledger.keys.active, job_id)
-                continue
-            if job["status"] in TERMINAL:
-                self._retire(job_id, job["status"])
-            elif self._held.get(job_id) == job["updated_ms"]:
-                continue
-            elif job["status"] in ("running", "paused"):
-                self._held.pop(job_id, None)
-                self.ledger.expire_due(job_id, actor=self.name)
-                if self.dispatcher is not None and job["status"] == "running":
-                    self.dispatcher.pump(job_id)
+                self.ledger.r.srem(self.ledger.keys.active, job_id)
+            except BatchgateError as exc:  # e.g. its source is unreachable: other jobs go on
+                log.warning("supervisor: job_id=%s skipped this pass: %s", job_id, exc.detail)
+
+    def _tick_job(self, job_id: str) -> None:
+        job = self.ledger.job_fields(job_id)
+        if job.get("corrupt"):
+            raise CorruptRecord(f"job {job_id} failed its checksum")
+        if job["status"] in TERMINAL:
+            self._retire(job_id, job["status"])
+        elif self._held.get(job_id) == job["updated_ms"]:
+            return
+        elif job["status"] in ("running", "paused"):
+            self._held.pop(job_id, None)
+            self.ledger.expire_due(job_id, actor=self.name)
+            if self.dispatcher is not None and job["status"] == "running":
+                self.dispatcher.pump(job_id)
 
     def _retire(self, job_id: str, status: str) -> None:
         if status != "failed":
