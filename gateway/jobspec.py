@@ -7,9 +7,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 import chunker
 from gateway.flows import FlowSpec
-from gateway.records import dumps
+from gateway.records import dumps, loads_or_none
 
 
 @dataclass(frozen=True)
@@ -92,3 +94,25 @@ def open_source(source: dict[str, Any], inline_items: Any = None, **kwargs: Any)
     if source["type"] == "inline":
         return chunker.open_source({"type": "inline", "items": []}, inline_items=inline_items, **kwargs)
     return chunker.open_source(source, **kwargs)
+
+
+class RedisListView:
+    """A lazy, sliceable view of a Redis list of JSON values (inline sources)."""
+
+    def __init__(self, client: redis.Redis, key: str) -> None:
+        self._r = client
+        self._key = key
+        self._len: int | None = None
+
+    def __len__(self) -> int:
+        if self._len is None:
+            self._len = self._r.llen(self._key)
+        return self._len
+
+    def __getitem__(self, index: slice) -> list[Any]:
+        if not isinstance(index, slice):
+            raise TypeError("RedisListView supports slices only")
+        start, stop, _ = index.indices(len(self))
+        if stop <= start:
+            return []
+        return [loads_or_none(v) for v in self._r.lrange(self._key, start, stop - 1)]

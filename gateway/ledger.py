@@ -23,7 +23,7 @@ from gateway.errors import (
     SourceUnavailable,
     StaleLease,
 )
-from gateway.jobspec import JobSpec, open_source
+from gateway.jobspec import JobSpec, RedisListView, open_source
 from gateway.keys import JobKeys, Keys
 from gateway.records import digest, dumps, intact, loads_or_none, seal
 from gateway.scripts import Scripts
@@ -477,25 +477,3 @@ class Ledger:
 def _ready_keys(prefix: str, job_id: str, stage_count: int) -> tuple[str, ...]:
     k = Keys(prefix).job(job_id)
     return tuple(k.ready(i) for i in range(stage_count))
-
-
-class RedisListView:
-    """A lazy, sliceable view of a Redis list of JSON values (inline sources)."""
-
-    def __init__(self, client: redis.Redis, key: str) -> None:
-        self._r = client
-        self._key = key
-        self._len: int | None = None
-
-    def __len__(self) -> int:
-        if self._len is None:
-            self._len = self._r.llen(self._key)
-        return self._len
-
-    def __getitem__(self, index: slice) -> list[Any]:
-        if not isinstance(index, slice):
-            raise TypeError("RedisListView supports slices only")
-        start, stop, _ = index.indices(len(self))
-        if stop <= start:
-            return []
-        return [loads_or_none(v) for v in self._r.lrange(self._key, start, stop - 1)]
