@@ -9,9 +9,8 @@ import signal
 import sys
 import threading
 
-from pydantic import SecretStr
-
 from gateway import cli_client
+from gateway.embedded import connect, embedded_url
 from gateway.settings import Settings
 
 
@@ -68,7 +67,6 @@ def _serve_forever(procs: list, cleanup) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     """Embedded Redis + API (gunicorn) + supervisor, stopped together on Ctrl-C."""
     from gateway import procs
-    from gateway.embedded import connect
 
     settings = Settings()
     client, embedded = connect(settings)
@@ -113,11 +111,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def embedded_url(client) -> SecretStr:
-    kw = client.connection_pool.connection_kwargs
-    return SecretStr(f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}")
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
     """One RQ worker on the batchgate queue, JSON serializer, scheduler on."""
     from rq import Worker
@@ -133,7 +126,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_supervisor(args: argparse.Namespace) -> int:
     """Run the supervisor loop until SIGTERM/SIGINT."""
-    from gateway.embedded import connect
     from gateway.ledger import Ledger
     from gateway.supervisor import Supervisor
 

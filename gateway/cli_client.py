@@ -13,6 +13,7 @@ from typing import Any
 import requests
 import yaml
 
+from gateway.procs import TOKEN_FILE
 from gateway.settings import Settings
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -88,7 +89,7 @@ def default_token(settings: Settings) -> str | None:
     token = os.environ.get("BATCHGATE_TOKEN")
     if token:
         return token
-    path = Path(settings.data_dir) / "dev-token"
+    path = Path(settings.data_dir) / TOKEN_FILE
     return path.read_text().strip() if path.exists() else None
 
 

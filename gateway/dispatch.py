@@ -41,7 +41,7 @@ from gateway.embedded import client_for
 from gateway.errors import BatchgateError, NotFound, StaleLease
 from gateway.flows import Stage
 from gateway.jobspec import JobSpec
-from gateway.ledger import ABSENT, Ledger
+from gateway.ledger import ABSENT, Ledger, idempotency_key
 from gateway.records import loads_or_none
 from gateway.security import sign
 from gateway.settings import Settings
@@ -220,7 +220,7 @@ class Dispatcher:
         key = self.settings.signing_secret()
         env: dict[str, Any] = {
             "job_id": spec.job_id, "seq": seq, "stage": stage.name, "attempt": attempt,
-            "idempotency_key": f"{spec.job_id}:{seq}:{stage.name}",
+            "idempotency_key": idempotency_key(spec.job_id, seq, stage.name),
             "cursor": loads_or_none(batch.get("start_cursor")),
             "input": loads_or_none(batch.get(f"out:{stage_idx - 1}")), "params": spec.params,
         }

@@ -13,6 +13,7 @@ from contextlib import closing
 from pathlib import Path
 
 import redis
+from pydantic import SecretStr
 
 from gateway.settings import Settings
 
@@ -138,6 +139,12 @@ class EmbeddedRedis:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def embedded_url(client: redis.Redis) -> SecretStr:
+    """The URL of the server ``client`` talks to (to hand an embedded Redis to child processes)."""
+    kw = client.connection_pool.connection_kwargs
+    return SecretStr(f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}")
 
 
 def connect(settings: Settings) -> tuple[redis.Redis, EmbeddedRedis | None]:

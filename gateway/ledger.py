@@ -54,10 +54,10 @@ class Lease:
 
     @property
     def idempotency_key(self) -> str:
-        return f"{self.job_id}:{self.seq}:{self.stage}"
+        return idempotency_key(self.job_id, self.seq, self.stage)
 
     def envelope(self) -> dict[str, Any]:
-        """The public, stable JSON envelope (docs/api.md)."""
+        """The public, stable JSON envelope (README: pull mode)."""
         return {
             "job_id": self.job_id,
             "seq": self.seq,
@@ -73,6 +73,11 @@ class Lease:
             "lease_token": self.lease_token,
             "lease_deadline": _iso(self.lease_deadline_ms),
         }
+
+
+def idempotency_key(job_id: str, seq: int, stage: str) -> str:
+    """The same on every attempt of a stage: what platforms deduplicate side effects by."""
+    return f"{job_id}:{seq}:{stage}"
 
 
 def _iso(ms: int) -> str:
