@@ -141,17 +141,28 @@ def watch(client: Client, job_id: str, interval_s: float = 0.5, stream=sys.stdou
 
 
 def progress_line(job: dict, width: int = 30) -> str:
-    """``[#####.....]  52.0% 260/500 items  12.3/s  ETA 20s  running`` (no bar if total unknown)."""
+    """``[#####.....]  52.0% 260/500 items  ETA 20s  ...  running``; files: ``1.2/2.3 MB, 260 items``.
+
+    No bar when neither the item count nor the source's size in bytes is known.
+    """
     done, total = job["items_done"], job.get("items_total")
     batches = job["batches"]
     tail = (f"{batches['completed']}/{batches['planned']} batches  "
             f"{job['rate_items_per_s']:.1f} items/s  {job['status']:<10}")
-    if not total:
+    if total:
+        frac, amount = min(done / total, 1.0), f"{done}/{total} items"
+    elif job.get("progress") is not None and job.get("bytes_total"):
+        frac = min(job["progress"], 1.0)
+        amount = f"{_mb(job.get('bytes_done') or 0)}/{_mb(job['bytes_total'])} MB, {done} items"
+    else:
         return f"{done} items  {tail}"
-    frac = min(done / total, 1.0)
     bar = "#" * int(frac * width) + "." * (width - int(frac * width))
     eta = f"ETA {job['eta_s']:.0f}s" if job.get("eta_s") is not None else "ETA -"
-    return f"[{bar}] {frac * 100:5.1f}% {done}/{total} items  {eta}  {tail}"
+    return f"[{bar}] {frac * 100:5.1f}% {amount}  {eta}  {tail}"
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1_000_000:.1f}"
 
 
 @_run

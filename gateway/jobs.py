@@ -11,8 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field
 import chunker
 from gateway.errors import Conflict, CorruptRecord, FlowVersionMismatch, InvalidRequest, NotFound
 from gateway.flows import FlowRegistry, FlowSpec, validate_source
-from gateway.jobspec import JobSpec, initial_cursor, open_source, total_hint
+from gateway.jobspec import JobSpec, initial_cursor, open_source, probe_source, total_hint
 from gateway.ledger import ABSENT, Ledger
+from gateway.progress import progress_of
 from gateway.records import loads_or_none
 
 STATUSES = ("running", "paused", "waiting_human", "succeeded", "failed", "cancelled")
@@ -52,7 +53,7 @@ class JobService:
         self.flows = flows
 
     def create(self, tenant: str, req: JobRequest) -> dict[str, Any]:
-        """Create a job in constant time (inline items aside): nothing is read from the source."""
+        """Create a job; reads (and drops) at most the source's first batch, to refuse an unreadable one."""
         record = self.flows.get(tenant, req.flow_id, req.flow_version)
         flow = FlowSpec.model_validate(record["flow"])
         source = req.source if req.source is not None else flow.source
@@ -65,9 +66,11 @@ class JobService:
             raise InvalidRequest(str(exc)) from exc
         if inline is not None:
             source = {"type": "inline", "count": len(inline)}
+        total_bytes = probe_source(source, flow)  # 422/503 now rather than failing every lease later
         spec = JobSpec(job_id=new_job_id(), tenant=tenant, flow=flow, flow_hash=record["hash"],
                        source=source, params=req.params,
-                       total_hint=total_hint(source, len(inline) if inline is not None else None))
+                       total_hint=total_hint(source, len(inline) if inline is not None else None),
+                       total_bytes=total_bytes)
         self.ledger.create_job(spec, initial_cursor(source, len(inline or ())), inline)
         return self.view(tenant, spec.job_id)
 
@@ -92,7 +95,7 @@ class JobService:
         elapsed_s = max((updated - created) / 1000, 1e-3)
         rate = done / elapsed_s if done else 0.0
         remaining = None if total is None else max(total - done, 0)
-        return {
+        view = {
             "job_id": job_id,
             "status": job["status"],
             "corrupt": bool(job.get("corrupt")),
@@ -116,6 +119,7 @@ class JobService:
             "updated_ms": updated,
             "finished_ms": int(job["finished_ms"]) if job.get("finished_ms") else None,
         }
+        return view | progress_of(spec, job)  # files: progress and ETA by bytes
 
     def list(self, tenant: str, status: str | None, limit: int) -> list[dict[str, Any]]:
         """Newest first, optionally only jobs in ``status``."""

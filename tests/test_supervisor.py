@@ -89,15 +89,17 @@ def test_retention_expires_succeeded_jobs_but_never_failed_ones(ledger, make_job
 
 def test_a_job_with_an_unreachable_source_does_not_stop_supervision(ledger, jobs, make_job, registry):
     from gateway.dispatch import Dispatcher
-    from gateway.embedded import free_port
     from gateway.flows import parse_flow
     from gateway.jobs import JobRequest
+    from tests.chunker.helpers import Server, file_app
 
-    dead = f"http://127.0.0.1:{free_port()}"
+    source = Server(file_app(b'{"n": 1}\n', honour_range=True))  # up at creation, then gone
+    dead = source.url
     registry.register("acme", parse_flow({
         "id": "dead-source", "version": "1", "source": {"type": "jsonl", "url": f"{dead}/items.jsonl"},
         "stages": [{"name": "push", "target": {"type": "http", "url": f"{dead}/hook"}}]}))
     broken = jobs.create("acme", JobRequest(flow_id="dead-source"))["job_id"]
+    source.close()
     healthy, _ = _leased_job(ledger, make_job, leases=2)
     sup = Supervisor(ledger, name="sup", dispatcher=Dispatcher.build(ledger.settings, ledger))
     sup.tick()  # the broken job's pump raises 'source unavailable'; the healthy job is still served
@@ -106,12 +108,14 @@ def test_a_job_with_an_unreachable_source_does_not_stop_supervision(ledger, jobs
 
 
 def test_lease_on_an_unreachable_source_is_a_503_with_retry_after(api):
-    from gateway.embedded import free_port
+    from tests.chunker.helpers import Server, file_app
 
-    dead = f"http://127.0.0.1:{free_port()}/items.jsonl"
+    source = Server(file_app(b'{"n": 1}\n', honour_range=True))  # up at creation, then gone
+    dead = f"{source.url}/items.jsonl"
     api.post("/v1/flows", json={"id": "dead", "version": "1", "stages": [{"name": "s"}],
                                 "source": {"type": "jsonl", "url": dead}})
     job_id = api.post("/v1/jobs", json={"flow_id": "dead"}).json()["job_id"]
+    source.close()
     resp = api.post(f"/v1/jobs/{job_id}/lease")
     assert resp.status_code == 503 and resp.headers["Retry-After"] == "5"
     assert resp.headers["Content-Type"] == "application/problem+json"
