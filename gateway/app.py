@@ -37,14 +37,14 @@ class Services:
 
 
 def create_app(settings: Settings | None = None, client: redis.Redis | None = None) -> Flask:
-    """Build the WSGI app; with no client, connect as settings say (embedded Redis if unset)."""
+    """Build the WSGI app; with no client, connect as settings say (no URL: join a running `up`)."""
     from gateway.api import callbacks, flows, health, jobs, pull
     from gateway.dispatch import Dispatcher
     from gateway.embedded import connect
 
     settings = settings or Settings()
     if client is None:
-        client, _ = connect(settings)
+        client, settings = connect(settings)
     ledger = Ledger(client, settings)
     ledger.check_digest_agreement()
     registry = FlowRegistry(client, ledger.keys)

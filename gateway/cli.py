@@ -6,11 +6,12 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 
 from gateway import cli_client
-from gateway.embedded import connect, embedded_url
+from gateway.embedded import DataDirInUse, NoLedgerRedis, connect
 from gateway.settings import Settings
 
 
@@ -23,18 +24,24 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except (NoLedgerRedis, DataDirInUse) as exc:
+        print(f"batchgate: {exc}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchgate", description=__doc__)
     sub = parser.add_subparsers(metavar="command")
 
-    up = sub.add_parser("up", help="all-in-one: embedded Redis (unless BATCHGATE_REDIS_URL), API, supervisor")
+    up = sub.add_parser("up", help="all-in-one: embedded Redis (unless BATCHGATE_REDIS_URL), API, "
+                                   "supervisor, worker")
     up.add_argument("--port", type=int, default=None)
     up.set_defaults(func=cmd_up)
 
-    serve = sub.add_parser("serve", help="the API under gunicorn")
+    serve = sub.add_parser("serve", help="the API under gunicorn, on BATCHGATE_REDIS_URL or the Redis "
+                                         "of a running up")
     serve.add_argument("--port", type=int, default=None)
     serve.add_argument("--workers", type=int, default=2)
     serve.set_defaults(func=cmd_serve)
@@ -50,60 +57,100 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve_forever(procs: list, cleanup) -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        while not stop.is_set():
-            if any(p.poll() is not None for p in procs):
-                print("batchgate: a child process exited; stopping", file=sys.stderr)
-                break
-            stop.wait(0.5)
-    finally:
-        cleanup()
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _watch(children: dict[str, subprocess.Popen], stop: threading.Event) -> bool:
+    """Until ``stop`` is set; False as soon as a child exits (which it names on stderr)."""
+    while not stop.is_set():
+        for name, proc in children.items():
+            if proc.poll() is not None:
+                print(f"batchgate: the {name} exited with code {proc.returncode}; stopping the rest",
+                      file=sys.stderr)
+                return False
+        stop.wait(0.2)
+    return True
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """Embedded Redis + API (gunicorn) + supervisor, stopped together on Ctrl-C."""
+    """Embedded Redis + API (gunicorn) + supervisor + worker, stopped together on Ctrl-C/SIGTERM.
+
+    Nothing starts if the port is taken; if any child exits, the rest are stopped and ``up``
+    exits 1. The embedded Redis is stopped last.
+    """
     from gateway import procs
+    from gateway.embedded import start_embedded
 
     settings = Settings()
-    client, embedded = connect(settings)
-    tokens = settings.token_map()
-    if not tokens:
-        tokens = {procs.dev_token(settings.data_dir): "default"}
-        print(f"batchgate: no BATCHGATE_TOKENS set; a development token for tenant 'default' is in "
-              f"{(settings.data_dir / procs.TOKEN_FILE).resolve()}")
-    redis_url = (settings.redis_url or embedded_url(client)).get_secret_value()
-    port = args.port or settings.port
-    env = procs.child_env(settings, redis_url, tokens)
-    env["BATCHGATE_PORT"] = str(port)
-    env.setdefault("BATCHGATE_PUBLIC_URL", f"http://{settings.host}:{port}")
-    api = procs.start_api(env, settings.host, port)
-    sup = procs.start_supervisor(env)
-    worker = procs.start_worker(env)
-
-    def cleanup() -> None:
-        procs.stop(api)
-        procs.stop(sup)
-        procs.stop(worker)
-        if embedded:
-            embedded.stop()
-
+    host, port = settings.host, args.port or settings.port
     try:
-        procs.wait_healthy(f"http://{settings.host}:{port}")
-    except RuntimeError:
-        cleanup()
-        raise
-    print(f"batchgate: API on http://{settings.host}:{port} (Ctrl-C stops everything)")
-    _serve_forever([api, sup, worker], cleanup)
-    return 0
+        held = procs.reserve_port(host, port)
+    except OSError as exc:
+        print(f"batchgate: port {port} on {host} is in use (another batchgate or another program): "
+              f"{exc.strerror or exc}; choose another with --port or BATCHGATE_PORT", file=sys.stderr)
+        return 2
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
+    embedded = None
+    children: dict[str, subprocess.Popen] = {}
+    try:
+        if settings.redis_url is None:
+            try:
+                embedded = start_embedded(settings)
+            except DataDirInUse:
+                raise
+            except (RuntimeError, OSError) as exc:
+                print(f"batchgate: the embedded Redis did not start: {exc}", file=sys.stderr)
+                return 1
+            redis_url = embedded.url
+        else:
+            redis_url = settings.redis_url.get_secret_value()
+        tokens = settings.token_map()
+        if not tokens:
+            tokens = {procs.dev_token(settings.data_dir): "default"}
+            print(f"batchgate: no BATCHGATE_TOKENS set; a development token for tenant 'default' is "
+                  f"in {(settings.data_dir / procs.TOKEN_FILE).resolve()}")
+        env = procs.child_env(settings, redis_url, tokens)
+        env["BATCHGATE_PORT"] = str(port)
+        env.setdefault("BATCHGATE_PUBLIC_URL", f"http://{host}:{port}")
+        if stop.is_set():
+            return 0
+        for sock in held:
+            sock.close()
+        # tied: even a SIGKILL of `up` stops them
+        children["API (gunicorn)"] = api = procs.start_api(env, host, port, tied=True)
+        children["supervisor"] = procs.start_supervisor(env, tied=True)
+        children["worker"] = procs.start_worker(env, tied=True)
+        if embedded is not None:
+            children["embedded redis-server"] = embedded.proc
+        base = f"http://{host}:{port}"
+        try:
+            procs.wait_healthy(base, instance_id=env[procs.INSTANCE_ENV], proc=api, cancel=stop)
+        except RuntimeError as exc:
+            print(f"batchgate: {exc}", file=sys.stderr)
+            return 1
+        if stop.is_set():
+            return 0
+        print(f"batchgate: API on {base} (Ctrl-C stops everything)", flush=True)
+        return 0 if _watch(children, stop) else 1
+    finally:
+        for sock in held:
+            sock.close()
+        # a second Ctrl-C must not cut the shutdown short
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        procs.stop_all(p for name, p in children.items() if not name.startswith("embedded"))
+        if embedded is not None:
+            embedded.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Run gunicorn in the foreground (the Dockerfile's command)."""
+    """Run gunicorn in the foreground (the Dockerfile's command); exits 2 if it has no Redis."""
     settings = Settings()
+    connect(settings)[0].close()  # NoLedgerRedis now, not once per gunicorn worker
     port = args.port or settings.port
     os.execvp(sys.executable, [sys.executable, "-m", "gunicorn", "--bind", f"{settings.host}:{port}",
                                "--workers", str(args.workers), "--threads", "4",
@@ -113,6 +160,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """One RQ worker on the batchgate queue, JSON serializer, scheduler on."""
+    _, settings = connect(Settings())  # NoLedgerRedis before anything else
+    # dispatcher() and RQ's work horses read the URL from the environment
+    os.environ["BATCHGATE_REDIS_URL"] = settings.redis_url.get_secret_value()
     from rq import Worker
     from rq.serializers import JSONSerializer
 
@@ -126,25 +176,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_supervisor(args: argparse.Namespace) -> int:
     """Run the supervisor loop until SIGTERM/SIGINT."""
+    client, settings = connect(Settings())  # NoLedgerRedis before anything else
+    from gateway.dispatch import Dispatcher
     from gateway.ledger import Ledger
     from gateway.supervisor import Supervisor
 
-    settings = Settings()
-    client, embedded = connect(settings)
-    from gateway.dispatch import Dispatcher
-
     ledger = Ledger(client, settings)
     ledger.check_digest_agreement()
-    if settings.redis_url is None:
-        settings = settings.model_copy(update={"redis_url": embedded_url(client)})
     supervisor = Supervisor(ledger, dispatcher=Dispatcher.build(settings, ledger))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: supervisor.stop.set())
-    try:
-        supervisor.run()
-    finally:
-        if embedded:
-            embedded.stop()
+    supervisor.run()
     return 0
 
 

@@ -1,7 +1,13 @@
-"""Embedded Redis: with no BATCHGATE_REDIS_URL, batchgate runs its own redis-server with AOF on."""
+"""Embedded Redis: with no BATCHGATE_REDIS_URL, ``batchgate up`` runs one redis-server with AOF on.
+
+Only ``up`` starts it (``start_embedded``) and records it in ``<data_dir>/redis.json``; every other
+process (``serve``, ``supervisor``, ``worker``, ``create_app()``) joins that server or refuses to start
+(``connect``). One ledger per deployment: two servers never share a data folder.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -9,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 
@@ -20,6 +27,15 @@ from gateway.settings import Settings
 log = logging.getLogger(__name__)
 
 STATE_FILE = "redis.json"
+LOCK_FILE = "up.lock"
+
+
+class NoLedgerRedis(RuntimeError):
+    """Neither BATCHGATE_REDIS_URL nor a running ``batchgate up`` to join: refuse to start."""
+
+
+class DataDirInUse(RuntimeError):
+    """Another ``batchgate up`` (or its leftover redis-server) already serves this data folder."""
 
 
 def find_redis_server() -> str:
@@ -55,12 +71,15 @@ def client_for(url: str) -> redis.Redis:
 class EmbeddedRedis:
     """A redis-server child process on loopback, data (AOF) under ``data_dir``."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, fsync: str = "everysec") -> None:
+    def __init__(self, data_dir: Path, port: int | None = None, fsync: str = "everysec",
+                 preexec_fn: Callable[[], None] | None = None) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.port = port
         self.fsync = fsync
+        self.preexec_fn = preexec_fn
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self._lock_fd: int | None = None
 
     def start(self, timeout_s: float = 10.0) -> str:
         """Start the server (or reuse one already serving this folder); returns its URL."""
@@ -77,23 +96,20 @@ class EmbeddedRedis:
         # C collation: Lua's string order must match Python's for record checksums
         env = {**os.environ, "LC_ALL": "C"}
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True, env=env)
+                                     start_new_session=True, env=env, preexec_fn=self.preexec_fn)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._wait_ready(timeout_s)
-        (self.data_dir / STATE_FILE).write_text(json.dumps({"url": self.url, "pid": self.proc.pid}))
+        state = self.data_dir / STATE_FILE
+        tmp = state.with_name(f".{STATE_FILE}.{os.getpid()}")
+        tmp.write_text(json.dumps({"url": self.url, "pid": self.proc.pid}))
+        os.replace(tmp, state)  # readers never see half a file
         log.info("embedded redis started pid=%s port=%s dir=%s", self.proc.pid, self.port, self.data_dir)
         return self.url
 
     def _reuse(self) -> str | None:
-        state = self.data_dir / STATE_FILE
-        if not state.exists():
-            return None
-        try:
-            url = json.loads(state.read_text())["url"]
-            client_for(url).ping()
-        except (ValueError, KeyError, redis.RedisError):
-            return None
-        log.info("reusing embedded redis at %s", url)
+        url = recorded_url(self.data_dir)
+        if url:
+            log.info("reusing embedded redis at %s", url)
         return url
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -118,21 +134,51 @@ class EmbeddedRedis:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Shut the server down (it fsyncs the AOF first); no-op if reused or stopped."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
         try:
-            client_for(self.url).shutdown()
-        except redis.RedisError:
-            pass
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            if self.proc is None:
+                return
+            if self.proc.poll() is None:
+                try:
+                    client_for(self.url).shutdown()
+                except redis.RedisError:
+                    pass
+                try:
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+                log.info("embedded redis stopped")
+            self._forget()
+        finally:
+            self.release_lock()
+
+    def _forget(self) -> None:
+        """Remove redis.json if it still names the server this object started."""
         state = self.data_dir / STATE_FILE
-        if state.exists():
-            state.unlink()
-        log.info("embedded redis stopped")
+        try:
+            if json.loads(state.read_text()).get("pid") == self.proc.pid:
+                state.unlink()
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def lock(self) -> None:
+        """Hold ``up.lock`` in the data folder until stop(): one owner per folder (freed on any exit)."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise DataDirInUse(f"another `batchgate up` is running with data dir {self.data_dir}; "
+                               "stop it, join it with `batchgate serve`, or choose another "
+                               "BATCHGATE_DATA_DIR") from None
+        self._lock_fd = fd
+
+    def release_lock(self) -> None:
+        fd = self._lock_fd
+        if fd is not None:
+            self._lock_fd = None
+            os.close(fd)
 
     def kill(self) -> None:
         """SIGKILL the server (tests: a crash, not a shutdown)."""
@@ -147,11 +193,63 @@ def embedded_url(client: redis.Redis) -> SecretStr:
     return SecretStr(f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}")
 
 
-def connect(settings: Settings) -> tuple[redis.Redis, EmbeddedRedis | None]:
-    """The ledger's Redis: BATCHGATE_REDIS_URL if set, else an embedded server (owned by caller)."""
+def recorded_url(data_dir: Path) -> str | None:
+    """The URL in ``<data_dir>/redis.json`` if a redis-server answers there serving that folder."""
+    data_dir = Path(data_dir).resolve()
+    try:
+        url = json.loads((data_dir / STATE_FILE).read_text())["url"]
+        client = client_for(url)
+        try:
+            client.ping()
+            served = client.config_get("dir").get("dir", "")
+        finally:
+            client.close()
+    except (OSError, ValueError, KeyError, TypeError, redis.RedisError):
+        return None
+    # a stale file may name a port some other server took since
+    if os.path.realpath(served) != os.path.realpath(data_dir):
+        return None
+    return url
+
+
+def connect(settings: Settings) -> tuple[redis.Redis, Settings]:
+    """The ledger's Redis, and ``settings`` naming its URL.
+
+    BATCHGATE_REDIS_URL if set, else the embedded server a running ``batchgate up`` recorded in
+    BATCHGATE_DATA_DIR; NoLedgerRedis if neither (never starts a server: see ``start_embedded``).
+    """
     if settings.redis_url is not None:
-        return client_for(settings.redis_url.get_secret_value()), None
-    embedded = EmbeddedRedis(settings.data_dir, fsync=settings.embedded_fsync)
-    url = embedded.start()
-    os.environ.setdefault("BATCHGATE_REDIS_URL", url)
-    return client_for(url), embedded
+        return client_for(settings.redis_url.get_secret_value()), settings
+    data_dir = Path(settings.data_dir).resolve()
+    url = recorded_url(data_dir)
+    if url is None:
+        raise NoLedgerRedis(
+            f"no ledger Redis: BATCHGATE_REDIS_URL is unset and no `batchgate up` is running with "
+            f"data dir {data_dir} (BATCHGATE_DATA_DIR). Start `batchgate up` (it runs the embedded "
+            f"Redis) or set BATCHGATE_REDIS_URL to your Redis.")
+    log.info("joining the embedded redis of `batchgate up` at %s", url)
+    return client_for(url), settings.model_copy(update={"redis_url": SecretStr(url)})
+
+
+def start_embedded(settings: Settings) -> EmbeddedRedis:
+    """``batchgate up`` only: lock the data folder, start its redis-server (the caller stops it).
+
+    The server is tied to the calling process: it gets SIGTERM (and fsyncs) if the caller dies.
+    """
+    from gateway.procs import die_with_parent
+
+    embedded = EmbeddedRedis(settings.data_dir, fsync=settings.embedded_fsync,
+                             preexec_fn=die_with_parent())
+    embedded.lock()
+    try:
+        leftover = recorded_url(embedded.data_dir)
+        if leftover is not None:  # not ours, and no `up` holds the lock: an orphan of a killed `up`
+            pid = json.loads((embedded.data_dir / STATE_FILE).read_text()).get("pid")
+            raise DataDirInUse(f"a redis-server (pid {pid}, {leftover}) left by an earlier "
+                               f"`batchgate up` still serves data dir {embedded.data_dir}; stop it "
+                               f"(kill {pid}) and start `batchgate up` again")
+        embedded.start()
+    except BaseException:
+        embedded.stop()
+        raise
+    return embedded

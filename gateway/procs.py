@@ -1,14 +1,18 @@
-"""Child processes of the all-in-one command: the API under gunicorn and the supervisor."""
+"""Child processes of the all-in-one command: the API under gunicorn, the supervisor, the worker."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import requests
@@ -16,6 +20,7 @@ import requests
 from gateway.settings import Settings
 
 TOKEN_FILE = "dev-token"
+INSTANCE_ENV = "BATCHGATE_INSTANCE_ID"  # /healthz echoes it: `up` knows its own API answered
 
 
 def dev_token(data_dir: Path) -> str:
@@ -40,50 +45,136 @@ def child_env(settings: Settings, redis_url: str, tokens: dict[str, str]) -> dic
     env["BATCHGATE_RECOVERY"] = settings.recovery
     env["BATCHGATE_SIGNING_KEY"] = settings.signing_secret().decode()
     env["BATCHGATE_DATA_DIR"] = str(Path(settings.data_dir).resolve())
+    env[INSTANCE_ENV] = secrets.token_hex(8)
     return env
 
 
-def start_api(env: dict[str, str], host: str, port: int, workers: int = 2) -> subprocess.Popen:
-    """gunicorn serving the app factory, as the Dockerfile does."""
+def reserve_port(host: str, port: int) -> list[socket.socket]:
+    """Bind ``host:port`` as gunicorn will (SO_REUSEADDR); OSError if something listens there.
+
+    The caller closes the sockets right before starting the API; until then ``free_port()`` (the
+    embedded Redis's port) cannot hand out this port.
+    """
+    held: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                               flags=socket.AI_PASSIVE):
+            sock = socket.socket(family, kind, proto)
+            held.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+    except OSError:
+        for sock in held:
+            sock.close()
+        raise
+    return held
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """Linux: a ``preexec_fn`` after which the kernel SIGTERMs the child when this process dies,
+    even by SIGKILL (children run in their own sessions, so nothing else would stop them).
+
+    Only for a single-threaded parent (``batchgate up``): the signal follows the forking thread.
+    None elsewhere.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the forked child
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl: nobody would stop this child
+            os._exit(1)
+
+    return preexec
+
+
+def _spawn(args: list[str], env: dict[str, str], tied: bool) -> subprocess.Popen:
+    return subprocess.Popen(args, env=env, start_new_session=True,
+                            preexec_fn=die_with_parent() if tied else None)
+
+
+def start_api(env: dict[str, str], host: str, port: int, workers: int = 2,
+              tied: bool = False) -> subprocess.Popen:
+    """gunicorn serving the app factory, as the Dockerfile does (``tied``: see die_with_parent)."""
     args = [sys.executable, "-m", "gunicorn", "--bind", f"{host}:{port}", "--workers", str(workers),
             "--threads", "4", "--log-level", "warning", "--graceful-timeout", "5",
             "gateway.app:create_app()"]
-    return subprocess.Popen(args, env=env, start_new_session=True)
+    return _spawn(args, env, tied)
 
 
-def start_supervisor(env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "gateway.cli", "supervisor"], env=env,
-                            start_new_session=True)
+def start_supervisor(env: dict[str, str], tied: bool = False) -> subprocess.Popen:
+    return _spawn([sys.executable, "-m", "gateway.cli", "supervisor"], env, tied)
 
 
-def start_worker(env: dict[str, str]) -> subprocess.Popen:
+def start_worker(env: dict[str, str], tied: bool = False) -> subprocess.Popen:
     """``batchgate worker``: RQ worker for push-mode stages."""
-    return subprocess.Popen([sys.executable, "-m", "gateway.cli", "worker"], env=env,
-                            start_new_session=True)
+    return _spawn([sys.executable, "-m", "gateway.cli", "worker"], env, tied)
 
 
-def wait_healthy(base_url: str, timeout_s: float = 20.0) -> None:
-    """Block until GET /healthz answers 200."""
+def wait_healthy(base_url: str, timeout_s: float = 20.0, *, instance_id: str | None = None,
+                 proc: subprocess.Popen | None = None, cancel: threading.Event | None = None) -> None:
+    """Block until GET /healthz answers 200 (from the API started with ``instance_id``, if given).
+
+    RuntimeError if ``proc`` (the API) exits first, another server answers, or time runs out;
+    returns early once ``cancel`` is set.
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if cancel is not None and cancel.is_set():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the batchgate API exited with code {proc.returncode} before it "
+                               f"answered at {base_url}")
         try:
-            if requests.get(f"{base_url}/healthz", timeout=1).status_code == 200:
-                return
+            resp = requests.get(f"{base_url}/healthz", timeout=1)
         except requests.RequestException:
-            pass
+            resp = None
+        if resp is not None and resp.status_code == 200:
+            if instance_id is None:
+                return
+            try:
+                answered = resp.json().get("instance")
+            except (ValueError, AttributeError):
+                answered = None
+            if answered == instance_id:
+                return
+            raise RuntimeError(f"another server answers at {base_url} (not the API this batchgate "
+                               f"started); choose another port")
         time.sleep(0.1)
     raise RuntimeError(f"batchgate API at {base_url} did not become healthy")
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:  # the group outlives its leader while members remain (gunicorn workers, RQ's work horse)
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_all(children: Iterable[subprocess.Popen | None], timeout_s: float = 10.0) -> None:
+    """SIGTERM every child's process group at once, wait, SIGKILL the groups that linger."""
+    children = [p for p in children if p is not None]
+    for proc in children:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for proc in children:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
 
 
 def stop(proc: subprocess.Popen | None, timeout_s: float = 10.0) -> None:
     """SIGTERM the process group, then SIGKILL if it lingers."""
     if proc is None or proc.poll() is not None:
         return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
+    stop_all([proc], timeout_s)
