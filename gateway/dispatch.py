@@ -38,7 +38,7 @@ from connectors.base import (
     StageCall,
 )
 from gateway.embedded import client_for
-from gateway.errors import BatchgateError, NotFound, StaleLease
+from gateway.errors import BatchgateError, JobCancelled, NotFound, StaleLease
 from gateway.flows import Stage
 from gateway.jobspec import JobSpec
 from gateway.ledger import ABSENT, Ledger, idempotency_key
@@ -136,6 +136,8 @@ class Dispatcher:
             self._wait_for_slot(spec, seq, stage_idx, attempt, token, wait)
             return
         try:
+            if not self._begin(spec, stage, seq, stage_idx, token):
+                return
             call = self._call(spec, stage, seq, stage_idx, attempt, token)
             if call is None:
                 return
@@ -151,13 +153,26 @@ class Dispatcher:
         stage = spec.flow.stages[stage_idx]
         try:
             self.ledger.heartbeat(job_id, seq, token)
-        except (StaleLease, NotFound):
+        except (StaleLease, NotFound, JobCancelled):
             return
         call = self._call(spec, stage, seq, stage_idx, attempt, token)
         if call is None:
             return
         outcome = self._guarded(call, stage, lambda: self._connector(stage).poll(call, handle, self.session))
         self._act(spec, stage, call, seq, stage_idx, token, outcome)
+
+    def _begin(self, spec: JobSpec, stage: Stage, seq: int, stage_idx: int, token: str) -> bool:
+        """The ledger's word that this call may start now (begin.lua): the lease is current and the
+        job running. A cancel voids leases, so no call starts after it; a paused or held job gets the
+        batch back in its ready set without spending an attempt."""
+        k = self.ledger.keys.job(spec.job_id)
+        res = self.ledger.scripts.begin(
+            keys=[k.job, k.batch(seq), k.leases, k.ready(stage_idx), k.log],
+            args=[token, int(stage.lease.total_seconds() * 1000), self.settings.log_maxlen])
+        if res[0] == "ok":
+            return True
+        log.info("call not started job_id=%s seq=%s: %s", spec.job_id, seq, "/".join(map(str, res)))
+        return False
 
     def _take_slot(self, stage: Stage, holder: str) -> bool:
         tid = target_id(stage.target)
@@ -172,7 +187,7 @@ class Dispatcher:
                        wait: int) -> None:
         try:
             self.ledger.heartbeat(spec.job_id, seq, token)
-        except (StaleLease, NotFound):
+        except (StaleLease, NotFound, JobCancelled):
             return
         self._enqueue_run(spec, seq, stage_idx, attempt, token, wait + 1)
 
@@ -257,7 +272,7 @@ class Dispatcher:
                 self.ledger.note(job_id, "platform_running", **where, **outcome.platform_ids)
                 self.queue.enqueue_in(stage.poll_interval, poll_stage, job_id, seq, stage_idx, attempt,
                                       token, outcome.handle, result_ttl=60, failure_ttl=86400)
-        except (StaleLease, NotFound):
+        except (StaleLease, NotFound, JobCancelled):
             log.info("answer dropped: lease no longer current job_id=%s seq=%s attempt=%s",
                      job_id, seq, attempt)
         self.pump(job_id)

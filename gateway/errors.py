@@ -105,6 +105,13 @@ class StaleLease(Conflict):
     type_slug = "stale-lease"
 
 
+class JobCancelled(Conflict):
+    """The job is cancelled: it takes no more answers and cannot be resumed."""
+
+    title = "Job cancelled"
+    type_slug = "job-cancelled"
+
+
 class FlowConflict(Conflict):
     """The same flow id and version is registered with other content."""
 

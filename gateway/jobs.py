@@ -9,14 +9,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 import chunker
-from gateway.errors import Conflict, CorruptRecord, FlowVersionMismatch, InvalidRequest, NotFound
+from gateway.errors import CorruptRecord, FlowVersionMismatch, InvalidRequest, NotFound
 from gateway.flows import FlowRegistry, FlowSpec, validate_source
 from gateway.jobspec import JobSpec, initial_cursor, open_source, probe_source, total_hint
 from gateway.ledger import ABSENT, Ledger
 from gateway.progress import progress_of
 from gateway.records import loads_or_none
 
-STATUSES = ("running", "paused", "waiting_human", "succeeded", "failed", "cancelled")
+STATUSES = ("running", "paused", "held", "waiting_human", "succeeded", "failed", "cancelled")
 BATCH_STATUSES = ("pending", "leased", "completed", "failed", "superseded")
 
 
@@ -115,6 +115,8 @@ class JobService:
             "eta_s": None if remaining is None or not rate else round(remaining / rate, 1),
             "source_exhausted": job["exhausted"] == "1",
             "error": job.get("error") or None,
+            "held_reason": job.get("held_reason") or None,
+            "source_error": job.get("src_error") or None,
             "created_ms": created,
             "updated_ms": updated,
             "finished_ms": int(job["finished_ms"]) if job.get("finished_ms") else None,
@@ -180,11 +182,7 @@ class JobService:
         if req.cursor is not ABSENT:
             self._check_cursor(spec, req.cursor)
             result.update(self.ledger.replan(job_id, req.cursor, actor, req.reason))
-        elif job["status"] == "succeeded":
-            raise Conflict(f"job {job_id} has succeeded; name a cursor to run part of it again")
-        elif job["status"] == "paused":
-            self.ledger.set_status(job_id, "running", ("paused",), actor)
-        else:
+        else:  # the script decides by the status it reads: paused runs, others re-open, final refuse
             result["reopened"] = self.ledger.reopen(job_id, actor)
         return {**self.view(tenant, job_id), "resume": result}
 

@@ -15,6 +15,8 @@ Per job (owner: the ledger scripts; expiry: retention, see ``Ledger.apply_retent
 ``<p>:{<job>}:done``           hash    seq -> end cursor of completed batches above the watermark
 ``<p>:{<job>}:failed``         zset    permanently failed batches; score = seq
 ``<p>:{<job>}:log``            stream  execution log, capped (``log_maxlen``)
+``<p>:{<job>}:audit``          stream  control events (created, paused, cursor moved, ...), never capped
+``<p>:{<job>}:planlock``       string  who is reading the source to plan the next batch, short TTL
 ``<p>:{<job>}:recover``        string  supervisor recovery claim, short TTL
 =============================  ======  =====================================================
 
@@ -76,6 +78,14 @@ class JobKeys:
     @property
     def log(self) -> str:
         return f"{self._base}:log"
+
+    @property
+    def audit(self) -> str:
+        return f"{self._base}:audit"
+
+    @property
+    def plan_lock(self) -> str:
+        return f"{self._base}:planlock"
 
     @property
     def recover(self) -> str:

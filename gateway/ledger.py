@@ -7,6 +7,7 @@ import logging
 import random
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -14,11 +15,12 @@ from typing import Any
 import redis
 
 import chunker
+from gateway.control import ControlOps
 from gateway.errors import (
     Conflict,
     CorruptRecord,
-    FatalError,
     InvalidRequest,
+    JobCancelled,
     NotFound,
     SourceUnavailable,
     StaleLease,
@@ -32,7 +34,10 @@ from gateway.settings import Settings
 log = logging.getLogger(__name__)
 
 ABSENT = object()
-MAX_RACES = 16
+LEASE_CANDIDATES = 8  # ready batches offered to one lease script: concurrent leasers take the next one
+LEASE_PATIENCE_S = 5.0  # how long a lease keeps retrying lost races before it answers "nothing ready"
+PLAN_LOCK_MS = 30_000  # one reader of the source per job at a time; the lock expires if it dies
+SPEC_CACHE = 1024  # job specs kept per process (least recently used dropped)
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,7 @@ def _iso(ms: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}Z"
 
 
-class Ledger:
+class Ledger(ControlOps):
     """Operations on jobs and batches; one instance per Redis client."""
 
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
@@ -92,7 +97,7 @@ class Ledger:
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.scripts = Scripts.register(client)
-        self._specs: dict[str, JobSpec] = {}
+        self._specs: OrderedDict[str, JobSpec] = OrderedDict()
         self._checked = False
 
     def check_digest_agreement(self) -> None:
@@ -110,9 +115,10 @@ class Ledger:
     # -- records ---------------------------------------------------------------------------
 
     def spec(self, job_id: str) -> JobSpec:
-        """The job's frozen spec (cached: it never changes), or NotFound / CorruptRecord."""
+        """The job's frozen spec (cached, LRU-bounded: it never changes), or NotFound / CorruptRecord."""
         cached = self._specs.get(job_id)
         if cached is not None:
+            self._specs.move_to_end(job_id)
             return cached
         fields = self.r.hgetall(self.keys.job(job_id).spec)
         if not fields:
@@ -122,6 +128,8 @@ class Ledger:
             raise CorruptRecord(f"job {job_id} spec failed its checksum; it will not run")
         spec = JobSpec.from_fields(fields)
         self._specs[job_id] = spec
+        if len(self._specs) > SPEC_CACHE:
+            self._specs.popitem(last=False)
         return spec
 
     def job_fields(self, job_id: str) -> dict[str, str]:
@@ -143,8 +151,9 @@ class Ledger:
         state = {
             "status": "running", "created_ms": now, "updated_ms": now,
             "finished_ms": "", "next_seq": "0", "base_seq": "0", "wm": "0", "frontier": cursor,
-            "committed_cursor": cursor, "exhausted": "0", "blocked": "", "n_open": "0",
-            "n_done": "0", "n_failed": "0", "items_done": "0", "error": "",
+            "committed_cursor": cursor, "plan_cursor": cursor, "exhausted": "0", "blocked": "",
+            "n_open": "0", "n_done": "0", "n_failed": "0", "items_done": "0", "error": "",
+            "src_failures": "0", "src_error": "", "src_retry_ms": "0", "held_reason": "",
         }
         pipe = self.r.pipeline(transaction=True)
         for start in range(0, len(inline_items or []), 1000):
@@ -153,6 +162,8 @@ class Ledger:
         pipe.hset(k.job, mapping=seal(state))
         pipe.xadd(k.log, {"event": "job_created", "cursor": cursor},
                   maxlen=self.settings.log_maxlen, approximate=True)
+        pipe.xadd(k.audit, {"event": "job_created", "cursor": cursor, "actor": f"tenant:{spec.tenant}",
+                            "flow": f"{spec.flow.id}@{spec.flow.version}"})
         pipe.zadd(self.keys.jobs(spec.tenant), {spec.job_id: int(now)})
         pipe.sadd(self.keys.active, spec.job_id)
         pipe.execute()
@@ -169,33 +180,46 @@ class Ledger:
         return self.lease_stages(job_id, self._stage_filter(spec, stage))
 
     def lease_stages(self, job_id: str, stages: list[int]) -> Lease | None:
-        """Lease the next ready batch at one of ``stages`` (indices)."""
+        """Lease the next ready batch at one of ``stages`` (indices); None only when nothing is ready.
+
+        A lost race (another caller took the candidates, or planned the batch first) is retried here,
+        for up to LEASE_PATIENCE_S, so it never surfaces as "nothing ready".
+        """
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
         if not stages:
             return None
-        for _ in range(MAX_RACES):
+        patience = time.monotonic() + LEASE_PATIENCE_S
+        pause = 0.001
+        while True:
             job = self._runnable(job_id)
             if job is None:
                 return None
-            seq, idx = self._candidate(k, stages)
-            if seq is None:
-                if not self._plan(spec, k, job, stages):
+            idx, seqs = self._candidates(k, stages)
+            if not seqs:
+                planned = self._plan(spec, k, job, stages)
+                if planned is None:
                     return None
-                continue
-            token = secrets.token_urlsafe(16)
-            res = self.scripts.lease(
-                keys=[k.job, k.batch(seq), k.items(seq), k.ready(idx), k.leases, k.log, k.failed],
-                args=[seq, idx, int(spec.flow.stages[idx].lease.total_seconds() * 1000),
-                      token, spec.flow.concurrency, self.settings.log_maxlen,
-                      spec.budget_total, spec.flow.tolerated_failure_percentage])
-            if res[0] == "ok":
-                return self._lease_from(spec, seq, idx, token, res)
-            if res[0] == "busy":
+                if planned == "busy":  # another caller is reading the source: its batch comes soon
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.05)
+            else:
+                token = secrets.token_urlsafe(16)
+                res = self.scripts.lease(
+                    keys=[k.job, k.ready(idx), k.leases, k.log, k.failed,
+                          *[key for s in seqs for key in (k.batch(s), k.items(s))]],
+                    args=[idx, int(spec.flow.stages[idx].lease.total_seconds() * 1000), token,
+                          spec.flow.concurrency, self.settings.log_maxlen, spec.budget_total,
+                          spec.flow.tolerated_failure_percentage, *seqs])
+                if res[0] == "ok":
+                    return self._lease_from(spec, idx, token, res)
+                if res[0] in ("busy", "status"):
+                    return None
+                if res[0] == "corrupt":
+                    raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
+            if time.monotonic() > patience:
+                log.warning("lease gave up after lost races job_id=%s", job_id)
                 return None
-            if res[0] == "corrupt" and res[1] == "job":
-                raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
-        return None
 
     def _stage_filter(self, spec: JobSpec, stage: str | None) -> list[int]:
         pull = [i for i, s in enumerate(spec.flow.stages) if s.target is None]
@@ -214,65 +238,93 @@ class Ledger:
             raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
         return job if job["status"] == "running" else None
 
-    def _candidate(self, k: JobKeys, stages: list[int]) -> tuple[int | None, int]:
-        """First ready (seq, stage), later stages first: finish batches before starting new ones."""
+    def _candidates(self, k: JobKeys, stages: list[int]) -> tuple[int, list[int]]:
+        """The first ready seqs of the latest stage that has any: finish batches before starting new ones."""
         now = int(time.time() * 1000)
         pipe = self.r.pipeline(transaction=False)
         ordered = sorted(stages, reverse=True)
         for idx in ordered:
-            pipe.zrangebyscore(k.ready(idx), "-inf", now, start=0, num=1)
+            pipe.zrangebyscore(k.ready(idx), "-inf", now, start=0, num=LEASE_CANDIDATES)
         for idx, found in zip(ordered, pipe.execute(), strict=True):
             if found:
-                return int(found[0]), idx
-        return None, -1
+                return idx, [int(s) for s in found]
+        return -1, []
 
-    def _plan(self, spec: JobSpec, k: JobKeys, job: dict[str, str], stages: list[int]) -> bool:
-        """Cut the next batch at the frontier. False when there is nothing to plan now."""
+    def _plan(self, spec: JobSpec, k: JobKeys, job: dict[str, str], stages: list[int]) -> str | None:
+        """Cut the next batch at the frontier: 'planned', 'raced' (look again), 'busy' (another caller
+        is reading the source), or None when there is nothing to plan now."""
         if job["exhausted"] == "1" or job["blocked"] or 0 not in stages:
-            return False
+            return None
         if self.r.zcard(k.leases) >= spec.flow.concurrency:
-            return False
-        frontier = job["frontier"]
-        if spec.external:
-            args = ["", "0", "", "0"]
-        else:
-            batch = self._read_source(spec, k, loads_or_none(frontier))
-            end = "" if batch.end_cursor is None else dumps(batch.end_cursor)
-            args = [end or dumps(None), "1" if batch.end_cursor is None else "0",
-                    dumps(batch.items), str(len(batch.items))]
-        seq = job["next_seq"]
-        res = self.scripts.plan(
-            keys=[k.job, k.batch(int(seq)), k.items(int(seq)), k.ready(0), k.log],
-            args=[seq, frontier, *args, self.settings.log_maxlen, spec.budget_total,
-                  spec.flow.tolerated_failure_percentage])
+            return None
+        retry_at = int(job.get("src_retry_ms") or 0)
+        now = int(time.time() * 1000)
+        if retry_at > now:
+            raise SourceUnavailable(f"source of job {spec.job_id} unavailable: {job.get('src_error')}",
+                                    retry_after=timedelta(milliseconds=retry_at - now))
+        holder = secrets.token_hex(8)
+        if not self.r.set(k.plan_lock, holder, nx=True, px=PLAN_LOCK_MS):
+            return "busy"
+        try:
+            frontier = job["frontier"]
+            if spec.external:
+                args = ["", "0", "", "0"]
+            else:
+                batch = self._read_source(spec, k, loads_or_none(frontier))
+                if batch is None:
+                    return "raced"  # the job's status changed (failed by the source): look again
+                end = "" if batch.end_cursor is None else dumps(batch.end_cursor)
+                args = [end or dumps(None), "1" if batch.end_cursor is None else "0",
+                        dumps(batch.items), str(len(batch.items))]
+            seq = job["next_seq"]
+            res = self.scripts.plan(
+                keys=[k.job, k.batch(int(seq)), k.items(int(seq)), k.ready(0), k.log],
+                args=[seq, frontier, *args, self.settings.log_maxlen, spec.budget_total,
+                      spec.flow.tolerated_failure_percentage])
+        finally:
+            if self.r.get(k.plan_lock) == holder:
+                self.r.delete(k.plan_lock)
         if res[0] == "ok":
             log.info("batch planned job_id=%s seq=%s", spec.job_id, seq)
-        return res[0] in ("ok", "raced")
+            return "planned"
+        if res[0] == "corrupt":
+            raise CorruptRecord(f"job {spec.job_id} failed its checksum; it will not run")
+        # 'raced': someone planned first; 'exhausted'/'status': the next look sees the new state
+        return "raced"
 
-    def _read_source(self, spec: JobSpec, k: JobKeys, cursor: Any) -> chunker.Batch:
+    def _read_source(self, spec: JobSpec, k: JobKeys, cursor: Any) -> chunker.Batch | None:
+        """One batch at ``cursor``; a failure is counted against the first stage's retry policy."""
         inline = RedisListView(self.r, k.src) if spec.source["type"] == "inline" else None
         try:
             source = open_source(spec.source, inline_items=inline)
             return source.read_batch(cursor, max_items=spec.flow.batching.max_items,
                                      max_bytes=spec.flow.batching.max_bytes)
         except chunker.SourceReadError as exc:
-            if exc.retryable:
-                wait = timedelta(seconds=getattr(exc, "retry_after_s", None) or 5)
-                raise SourceUnavailable(f"source of job {spec.job_id} unavailable: {exc}",
-                                        retry_after=wait) from exc
-            self._fail_job(spec.job_id, f"source unreadable: {exc}")
-            raise FatalError(f"source of job {spec.job_id} cannot be read: {exc}") from exc
+            # a file removed or an API down may come back: retried under the policy, then the job fails
+            return self._source_failed(spec, k, str(exc), True, getattr(exc, "retry_after_s", None))
         except chunker.SourceSpecError as exc:
-            self._fail_job(spec.job_id, f"bad cursor or source: {exc}")
-            raise FatalError(f"job {spec.job_id}: {exc}") from exc
+            return self._source_failed(spec, k, f"bad cursor or source: {exc}", False, None)
 
-    def _fail_job(self, job_id: str, reason: str) -> None:
-        self.set_status(job_id, "failed", ("running",), actor=f"ledger: {reason}")
+    def _source_failed(self, spec: JobSpec, k: JobKeys, message: str, retryable: bool,
+                       retry_after_s: float | None) -> None:
+        policy = spec.flow.stages[0].retry
+        res = self.scripts.source_fail(
+            keys=[k.job, k.log, k.audit],
+            args=[message[:2000], "1" if retryable else "0", *self._policy_args(policy),
+                  self.settings.log_maxlen])
+        if res[0] in ("retry", "wait"):
+            wait_ms = max(int(res[1]) - int(time.time() * 1000), int((retry_after_s or 0) * 1000), 1000)
+            raise SourceUnavailable(f"source of job {spec.job_id} unavailable: {message}",
+                                    retry_after=timedelta(milliseconds=wait_ms))
+        if res[0] == "corrupt":
+            raise CorruptRecord(f"job {spec.job_id} failed its checksum; it will not run")
+        log.warning("job failed: source unreadable job_id=%s: %s", spec.job_id, message)
+        return None
 
     @staticmethod
-    def _lease_from(spec: JobSpec, seq: int, idx: int, token: str, res: list) -> Lease:
-        _, attempt, deadline, start, end, items, prev = res
-        return Lease(job_id=spec.job_id, seq=seq, stage=spec.flow.stages[idx].name, stage_index=idx,
+    def _lease_from(spec: JobSpec, idx: int, token: str, res: list) -> Lease:
+        _, seq, attempt, deadline, start, end, items, prev = res
+        return Lease(job_id=spec.job_id, seq=int(seq), stage=spec.flow.stages[idx].name, stage_index=idx,
                       attempt=int(attempt), cursor=loads_or_none(start), end_cursor=loads_or_none(end),
                       items=loads_or_none(items), input=loads_or_none(prev), params=spec.params,
                       lease_token=token, lease_deadline_ms=int(deadline))
@@ -292,7 +344,8 @@ class Ledger:
         return {"job_id": job_id, "seq": seq, "lease_deadline": _iso(int(res[1])), "job_status": res[2]}
 
     def complete(self, job_id: str, seq: int, token: str, output: Any,
-                 next_cursor: Any = ABSENT, items: list | None = None) -> dict[str, Any]:
+                 next_cursor: Any = ABSENT, items: list | None = None,
+                 actor: str = "worker") -> dict[str, Any]:
         """Commit the leased stage's output: one script, one round trip.
 
         A fetching first stage gives the batch its items in ``items``, or as ``output["items"]``.
@@ -311,7 +364,7 @@ class Ledger:
             args=[token, dumps(output), "" if next_cursor is ABSENT else dumps(next_cursor),
                   "" if items is None else dumps(items), len(items or ()), spec.stage_count,
                   self.settings.log_maxlen, spec.budget_total, spec.flow.tolerated_failure_percentage,
-                  "1" if from_output else "0"])
+                  "1" if from_output else "0", actor])
         if res[0] == "duplicate":
             stage, attempt = int(res[1]), int(res[2])
         else:
@@ -365,6 +418,8 @@ class Ledger:
                       *self._ready_keys(spec)],
                 args=[seq, *self._policy_args(policy), self.settings.log_maxlen,
                       spec.budget_total, spec.flow.tolerated_failure_percentage, actor])
+            if res[0] == "held":
+                break
             if res[0] in ("retry", "failed"):
                 log.info("lease expired job_id=%s seq=%s attempt=%s outcome=%s",
                          job_id, seq, res[1], res[0])
@@ -373,7 +428,8 @@ class Ledger:
 
     def note(self, job_id: str, event: str, **fields: Any) -> None:
         """Append an event (platform ids, call outcomes) to the job's capped log."""
-        entry = {"event": event, **{k: str(v) for k, v in fields.items() if v is not None}}
+        entry = {"event": event, **{k: v if isinstance(v, str) else dumps(v)
+                                    for k, v in fields.items() if v is not None}}
         self.r.xadd(self.keys.job(job_id).log, entry, maxlen=self.settings.log_maxlen, approximate=True)
 
     def batch_record(self, job_id: str, seq: int) -> dict[str, str]:
@@ -388,6 +444,9 @@ class Ledger:
 
     @staticmethod
     def _raise_for(res: list, job_id: str, seq: int) -> None:
+        if res[0] == "cancelled":
+            raise JobCancelled(f"job {job_id} is cancelled; the answer for batch {seq} was not "
+                               f"committed (it is in the job's log)", job_status="cancelled")
         if res[0] == "stale":
             raise StaleLease(f"lease token is not current for job {job_id} batch {seq} "
                              f"(batch is {res[1]}, attempt {res[2]})",
@@ -399,65 +458,13 @@ class Ledger:
         if res[0] == "invalid":
             raise InvalidRequest(res[1])
 
-    # -- job control -----------------------------------------------------------------------
-
-    def set_status(self, job_id: str, status: str, allowed: tuple[str, ...], actor: str) -> str:
-        """Move the job to ``status`` if it is in one of ``allowed``; returns the old status."""
-        k = self.keys.job(job_id)
-        res = self.scripts.set_status(keys=[k.job, k.log],
-                                      args=[status, ",".join(allowed), self.settings.log_maxlen, actor])
-        if res[0] == "missing":
-            raise NotFound(f"job {job_id} not found")
-        if res[0] == "corrupt":
-            raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
-        if res[0] == "refused":
-            raise Conflict(f"job {job_id} is {res[1]}; cannot make it {status}", job_status=res[1])
-        log.info("job status job_id=%s %s -> %s actor=%s", job_id, res[1], status, actor)
-        return res[1]
-
-    def reopen(self, job_id: str, actor: str, only_failed: bool = False) -> int:
-        """Put uncommitted batches back in the pool; returns how many were re-opened."""
-        spec = self.spec(job_id)
-        k = self.keys.job(job_id)
-        job = self.job_fields(job_id)
-        if only_failed:
-            seqs = [int(s) for s in self.r.zrange(k.failed, 0, -1)]
-        else:
-            seqs = list(range(int(job["wm"]), int(job["next_seq"])))
-        res = self.scripts.reopen(
-            keys=[k.job, k.leases, k.failed, k.log, *self._ready_keys(spec),
-                  *[k.batch(s) for s in seqs]],
-            args=[spec.stage_count, self.settings.log_maxlen, actor,
-                  "failed" if only_failed else "all", spec.budget_total,
-                  spec.flow.tolerated_failure_percentage, *seqs])
-        if res[0] == "corrupt":
-            raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
-        self.persist_job(job_id)
-        return int(res[1])
-
-    def replan(self, job_id: str, cursor: Any, actor: str, reason: str) -> dict[str, Any]:
-        """Supersede every uncommitted batch and plan again from ``cursor``."""
-        spec = self.spec(job_id)
-        k = self.keys.job(job_id)
-        job = self.job_fields(job_id)
-        seqs = list(range(int(job["wm"]), int(job["next_seq"])))
-        res = self.scripts.replan(
-            keys=[k.job, k.leases, k.failed, k.done, k.log,
-                  *self._ready_keys(spec), *[key for s in seqs for key in (k.batch(s), k.items(s))]],
-            args=[spec.stage_count, dumps(cursor), self.settings.log_maxlen, actor, reason, *seqs])
-        if res[0] == "corrupt":
-            raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
-        self.persist_job(job_id)
-        log.info("cursor moved job_id=%s actor=%s superseded=%s", job_id, actor, res[1])
-        return {"superseded": int(res[1]), "first_new_seq": int(res[2])}
-
     # -- retention -------------------------------------------------------------------------
 
     def _all_keys(self, job_id: str) -> list[str]:
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
         planned = int(self.job_fields(job_id)["next_seq"])
-        return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.recover,
+        return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.audit, k.recover, k.plan_lock,
                 *self._ready_keys(spec),
                 *[key for s in range(planned) for key in (k.batch(s), k.items(s))]]
 

@@ -10,7 +10,7 @@ from redis.commands.core import Script
 
 OPERATIONS = (
     "plan", "lease", "heartbeat", "complete", "fail", "expire", "reopen", "replan", "set_status", "selfcheck",
-    "slot",
+    "slot", "cancel", "begin", "source_fail",
 )
 
 
@@ -35,6 +35,9 @@ class Scripts:
     set_status: Script
     selfcheck: Script
     slot: Script
+    cancel: Script
+    begin: Script
+    source_fail: Script
 
     @classmethod
     def register(cls, client: redis.Redis) -> Scripts:

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from gateway.errors import BatchgateError, CorruptRecord, NotFound
+from gateway.errors import BatchgateError, Conflict, CorruptRecord, NotFound
 from gateway.ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,6 @@ class Supervisor:
         self.settings = ledger.settings
         self.name = name or f"supervisor@{socket.gethostname()}:{os.getpid()}"
         self.stop = threading.Event()
-        self._held: dict[str, str] = {}
 
     def recover(self) -> list[dict[str, Any]]:
         """At start: find jobs left running and recover them, or only report them (record mode)."""
@@ -56,17 +55,27 @@ class Supervisor:
         entry = {"job_id": job_id, "committed_cursor": job["committed_cursor"],
                  "leased_batches": leased, "mode": self.settings.recovery}
         if self.settings.recovery == "record":
-            self._held[job_id] = job["updated_ms"]
-            log.warning("recovery (record only) job_id=%s would resume from cursor %s; "
-                        "leased batches %s would return to the pool when their leases run out",
-                        job_id, job["committed_cursor"], leased)
+            # Held in the ledger: no expiry, pump, kick or queued call runs for it until released.
+            # Only one of several supervisors starting together wins the running -> held change.
+            try:
+                self.ledger.hold(job_id, f"{self.name} (recovery: record)",
+                                 f"found running at supervisor start; would resume from cursor "
+                                 f"{job['committed_cursor']} and return leased batches {leased} "
+                                 f"to the pool; release it to go on")
+            except Conflict:
+                return None
+            log.warning("recovery (record only) job_id=%s held: would resume from cursor %s; "
+                        "leased batches %s would return to the pool when their leases run out; "
+                        "`batchgate jobs release %s` lets it go", job_id, job["committed_cursor"],
+                        leased, job_id)
+            entry["held"] = True
             return entry
         if not self.ledger.r.set(k.recover, self.name, nx=True, px=RECOVERY_CLAIM_MS):
             return None
         expired = self.ledger.expire_due(job_id, actor=f"{self.name} (recovery)")
-        self.ledger.r.xadd(k.log, {"event": "job_recovered", "actor": self.name,
-                                   "expired": str(len(expired))},
-                           maxlen=self.settings.log_maxlen, approximate=True)
+        entry_fields = {"event": "job_recovered", "actor": self.name, "expired": str(len(expired))}
+        self.ledger.r.xadd(k.log, entry_fields, maxlen=self.settings.log_maxlen, approximate=True)
+        self.ledger.r.xadd(k.audit, entry_fields)
         entry["expired_now"] = [seq for seq, _ in expired]
         log.info("recovered job_id=%s expired=%s", job_id, entry["expired_now"])
         return entry
@@ -87,10 +96,7 @@ class Supervisor:
             raise CorruptRecord(f"job {job_id} failed its checksum")
         if job["status"] in TERMINAL:
             self._retire(job_id, job["status"])
-        elif self._held.get(job_id) == job["updated_ms"]:
-            return
-        elif job["status"] in ("running", "paused"):
-            self._held.pop(job_id, None)
+        elif job["status"] in ("running", "paused"):  # a held job is left exactly as it is
             self.ledger.expire_due(job_id, actor=self.name)
             if self.dispatcher is not None and job["status"] == "running":
                 self.dispatcher.pump(job_id)

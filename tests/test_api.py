@@ -712,8 +712,11 @@ def test_resume_with_a_cursor_reruns_from_it(api, succeeded):
              if e["event"] == "cursor_moved"]
     assert len(moved) == 1
     assert moved[0]["actor"] == "tenant:acme"
-    assert json.loads(moved[0]["to"]) == {"type": "offset", "offset": 0}
+    assert moved[0]["to"] == {"type": "offset", "offset": 0}  # typed: a cursor is JSON, not text
     assert moved[0]["reason"] == "rerun"
+    audit = api.get(f"/v1/jobs/{succeeded}/audit").json()["entries"]
+    assert [e["event"] for e in audit] == ["job_created", "cursor_moved"]
+    assert audit[1]["to"] == {"type": "offset", "offset": 0} and audit[1]["superseded"] == 0
 
 
 @pytest.mark.parametrize("cursor", [{"type": "page"}, 5, None, "offset", {"type": "offset",

@@ -49,8 +49,8 @@ class Job:
         return [self.k.job, self.k.batch(seq), self.k.items(seq), self.k.ready(0), self.k.log]
 
     def lease_keys(self, seq, stage=0):
-        return [self.k.job, self.k.batch(seq), self.k.items(seq), self.k.ready(stage), self.k.leases,
-                self.k.log, self.k.failed]
+        return [self.k.job, self.k.ready(stage), self.k.leases, self.k.log, self.k.failed,
+                self.k.batch(seq), self.k.items(seq)]
 
     def heartbeat_keys(self, seq):
         return [self.k.job, self.k.batch(seq), self.k.leases]
@@ -63,11 +63,11 @@ class Job:
         return [self.k.job, self.k.batch(seq), self.k.leases, self.k.failed, self.k.log, *self.ready]
 
     def reopen_keys(self, seqs):
-        return [self.k.job, self.k.leases, self.k.failed, self.k.log, *self.ready,
+        return [self.k.job, self.k.leases, self.k.failed, self.k.log, self.k.audit, *self.ready,
                 *[self.k.batch(s) for s in seqs]]
 
     def replan_keys(self, seqs):
-        return [self.k.job, self.k.leases, self.k.failed, self.k.done, self.k.log, *self.ready,
+        return [self.k.job, self.k.leases, self.k.failed, self.k.done, self.k.log, self.k.audit, *self.ready,
                 *[key for s in seqs for key in (self.k.batch(s), self.k.items(s))]]
 
     # -- state -----------------------------------------------------------------------------------
@@ -127,8 +127,13 @@ def json_offset(text):
 
 
 def lease(j, seq, token, stage=0, lease_ms=60_000, concurrency=4):
-    return j.ledger.scripts.lease(keys=j.lease_keys(seq, stage), args=[
-        seq, stage, lease_ms, token, concurrency, MAXLEN, j.budget, j.pct])
+    """lease.lua offered one candidate; an 'ok' reply without the seq it names (always ``seq`` here)."""
+    res = j.ledger.scripts.lease(keys=j.lease_keys(seq, stage), args=[
+        stage, lease_ms, token, concurrency, MAXLEN, j.budget, j.pct, seq])
+    if res[0] == "ok":
+        assert res[1] == str(seq)
+        return [res[0], *res[2:]]
+    return res
 
 
 def heartbeat(j, seq, token, extend_ms, progress=""):
@@ -139,7 +144,7 @@ def complete(j, seq, token, output=None, next_cursor="", items=None, pct=None):
     items_json = "" if items is None else dumps(items)
     return j.ledger.scripts.complete(keys=j.complete_keys(seq), args=[
         token, dumps(output if output is not None else {}), next_cursor, items_json, len(items or ()),
-        j.stages, MAXLEN, j.budget, j.pct if pct is None else pct])
+        j.stages, MAXLEN, j.budget, j.pct if pct is None else pct, "0", ACTOR])
 
 
 def fail(j, seq, token, message="boom", retryable="1", max_attempts=3, initial_ms=1000, coef=2.0,
@@ -155,17 +160,21 @@ def expire(j, seq, max_attempts=3, initial_ms=1000, coef=2.0, max_ms=60_000, jit
 
 
 def reopen(j, mode, seqs):
+    """mode 'all' resumes; 'failed' retries failed batches (the failed set as ``seqs``)."""
     return j.ledger.scripts.reopen(keys=j.reopen_keys(seqs), args=[
-        j.stages, MAXLEN, ACTOR, mode, j.budget, j.pct, *seqs])
+        j.stages, MAXLEN, ACTOR, "resume" if mode == "all" else "retry_failed", j.budget, j.pct,
+        len(seqs), *seqs])
 
 
-def replan(j, to_cursor, seqs, reason="skip a bad range"):
+def replan(j, to_cursor, seqs, reason="skip a bad range", bound=None):
+    bound = (max(seqs) + 1 if seqs else int(j.job()["next_seq"])) if bound is None else bound
     return j.ledger.scripts.replan(keys=j.replan_keys(seqs), args=[
-        j.stages, to_cursor, MAXLEN, ACTOR, reason, *seqs])
+        j.stages, to_cursor, MAXLEN, ACTOR, reason, bound, *seqs])
 
 
 def set_status(j, status, allowed):
-    return j.ledger.scripts.set_status(keys=[j.k.job, j.k.log], args=[status, allowed, MAXLEN, ACTOR])
+    return j.ledger.scripts.set_status(keys=[j.k.job, j.k.log, j.k.audit],
+                                       args=[status, allowed, MAXLEN, ACTOR, "", j.budget, j.pct])
 
 
 # == plan ============================================================================================
@@ -299,7 +308,7 @@ def test_lease_tampered_batch_is_corrupt_and_counted_failed(job):
     j = job(items=10, max_items=3, tolerated_failure_percentage=100)
     seq = plan_next(j)
     j.r.hset(j.k.batch(seq), "start_cursor", cursor(999))
-    assert lease(j, seq, "tok") == ["corrupt", "batch"]
+    assert lease(j, seq, "tok") == ["raced"]  # the only candidate was corrupt: nothing leased
     assert j.r.hget(j.k.batch(seq), "corrupt") == "1"
     assert j.zmembers(j.k.ready(0)) == []
     assert j.zmembers(j.k.failed) == [str(seq)]
@@ -324,7 +333,7 @@ def test_lease_corrupt_batch_spends_the_failure_budget_now(job):
     j = job(items=10, max_items=3, tolerated_failure_percentage=0)
     seq = plan_next(j)
     j.r.hset(j.k.batch(seq), "n_items", "0")
-    assert lease(j, seq, "tok") == ["corrupt", "batch"]
+    assert lease(j, seq, "tok") == ["status", "failed"]
     state = j.job()
     assert state["n_failed"] == "1"
     assert state["status"] == "failed"  # as fail.lua does: "failure budget exceeded at batch 0"
@@ -616,7 +625,8 @@ def test_reopen_failed_mode_only_touches_failed_batches(ledger, job):
     j = job(items=10, max_items=3, tolerated_failure_percentage=100)
     failed_and_leased(ledger, j)
     leased_before = j.batch(1)
-    assert reopen(j, "failed", [0, 1]) == ["ok", "1", "running"]
+    assert reopen(j, "failed", [0, 1]) == ["raced"]  # the failed set holds only 0: read it again
+    assert reopen(j, "failed", [0]) == ["ok", "1", "running"]
     batch = j.batch(0)
     assert pick(batch, "status", "attempt", "lease_token") == ("pending", "0", "")
     assert j.zmembers(j.k.failed) == [] and j.zmembers(j.k.ready(0)) == ["0"]
@@ -625,7 +635,7 @@ def test_reopen_failed_mode_only_touches_failed_batches(ledger, job):
     assert pick(state, "n_failed", "n_open") == ("0", "2")
     assert j.events("batch_reopened") == [{"event": "batch_reopened", "seq": "0", "stage": "0",
                                            "was": "failed", "actor": ACTOR}]
-    assert j.events("job_resumed")[-1]["reopened"] == "1"
+    assert j.events("retry_failed")[-1]["reopened"] == "1"
     assert j.all_intact()
 
 
@@ -654,23 +664,38 @@ def test_reopen_failed_mode_revives_a_budget_failed_job(ledger, job):
     assert pick(state, "finished_ms", "error") == ("", "")
 
 
-def test_reopen_never_unpauses(ledger, job):
+def test_retry_failed_never_unpauses_and_resume_of_a_paused_job_only_runs_it(ledger, job):
     j = job(items=10, max_items=3, tolerated_failure_percentage=100)
     failed_and_leased(ledger, j)
     set_status(j, "paused", "running")
-    assert reopen(j, "all", [0, 1]) == ["ok", "2", "paused"]
+    assert reopen(j, "failed", [0]) == ["ok", "1", "paused"]
+    leased_before = j.batch(1)
+    assert reopen(j, "all", [0, 1]) == ["ok", "0", "running"]  # in-flight leases are kept
+    assert j.batch(1) == leased_before
+    assert j.all_intact()
 
 
 def test_reopen_all_with_nothing_left_finishes_the_job(ledger, job):
     j = job(items=3, max_items=3, stages=("only",))
     first = ledger.lease(j.id)
-    set_status(j, "cancelled", "running,paused")
-    assert complete(j, 0, first.lease_token) == ["ok", "-1", "cancelled", "1", "0"]
+    set_status(j, "failed", "running")
+    # the batch in flight was paid for: its answer is still taken by a failed job
+    assert complete(j, 0, first.lease_token) == ["ok", "-1", "failed", "1", "0"]
     state = j.job()
     assert pick(state, "exhausted", "n_open", "wm", "next_seq") == ("1", "0", "1", "1")
-    res = reopen(j, "all", [])  # the ledger passes seqs wm..next_seq-1: none
-    assert res[:2] == ["ok", "0"]
-    assert res[2] != "running"
+    assert reopen(j, "all", []) == ["ok", "0", "succeeded"]  # seqs wm..next_seq-1: none
+
+
+def test_reopen_refuses_a_cancelled_job_and_resume_refuses_a_succeeded_one(ledger, job):
+    j = job(items=3, max_items=3, stages=("only",))
+    lease_ = ledger.lease(j.id)
+    complete(j, 0, lease_.lease_token)
+    assert j.job()["status"] == "succeeded"
+    assert reopen(j, "all", []) == ["refused", "succeeded"]
+    k = job(items=3, max_items=3, stages=("only",))
+    set_status(k, "cancelled", "running")
+    assert reopen(k, "all", []) == ["refused", "cancelled"]
+    assert reopen(k, "failed", []) == ["refused", "cancelled"]
 
 
 # == replan ==========================================================================================
@@ -706,7 +731,8 @@ def test_replan_supersedes_uncommitted_batches_from_new_base(ledger, job):
         "frontier": cursor(6), "exhausted": "0", "blocked": "", "n_open": "0", "n_failed": "0",
         "error": "", "finished_ms": ""}
     assert j.events("cursor_moved") == [{"event": "cursor_moved", "from": committed_from, "to": cursor(6),
-                                         "actor": ACTOR, "reason": "skip a bad range", "superseded": "3"}]
+                                         "actor": ACTOR, "reason": "skip a bad range", "superseded": "3",
+                                         "status_was": "running"}]
     assert complete(j, 1, leases[1].lease_token) == ["stale", "superseded", "1"]
     nxt = ledger.lease(j.id)
     assert (nxt.seq, nxt.cursor) == (5, {"type": "offset", "offset": 6})
@@ -728,7 +754,8 @@ def test_set_status_ok_returns_old_status(job):
     assert set_status(j, "paused", "running,waiting_human") == ["ok", "running"]
     state = j.job()
     assert state["status"] == "paused" and state["finished_ms"] == ""
-    assert j.events("job_paused") == [{"event": "job_paused", "from": "running", "actor": ACTOR}]
+    assert j.events("job_paused") == [{"event": "job_paused", "from": "running", "actor": ACTOR,
+                                       "reason": ""}]
     assert set_status(j, "cancelled", "paused") == ["ok", "paused"]
     assert j.job()["finished_ms"]
     assert set_status(j, "running", "nope") == ["refused", "cancelled"]

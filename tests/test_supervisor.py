@@ -35,20 +35,33 @@ def test_recovery_auto_returns_dead_leases_to_the_pool(ledger, jobs, make_job):
     assert again.seq in (0, 1, 2) and again.attempt == 2
 
 
-def test_recovery_record_mode_changes_nothing(ledger, jobs, make_job, settings):
+def test_recovery_record_mode_holds_the_job_until_released(ledger, jobs, make_job, settings):
     job_id, held = _leased_job(ledger, make_job)
     record = Ledger(ledger.r, settings.model_copy(update={"recovery": "record"}))
     before = [jobs.batch("acme", job_id, s) for s in range(3)]
     sup = Supervisor(record, name="sup-r")
     report = sup.recover()
     assert report == [{"job_id": job_id, "committed_cursor": '{"offset":0,"type":"offset"}',
-                       "leased_batches": [0, 1, 2], "mode": "record"}]
-    sup.tick()
-    assert [jobs.batch("acme", job_id, s) for s in range(3)] == before
-    # once someone touches the job (here: a worker completes a batch), supervision resumes
+                       "leased_batches": [0, 1, 2], "mode": "record", "held": True}]
+    view = jobs.view("acme", job_id)
+    assert view["status"] == "held" and "release" in view["held_reason"]
+    # a second supervisor starting in record mode does not hold (or report) it again
+    assert Supervisor(record, name="sup-r2").recover() == []
+    for _ in range(3):
+        sup.tick()
+    assert [jobs.batch("acme", job_id, s) for s in range(3)] == before  # dead leases not expired
+    assert ledger.lease(job_id) is None  # and nothing new is handed out
+    # a worker that is still alive may commit its paid work; that does not end the hold
     ledger.complete(job_id, 0, held[0].lease_token, {})
     sup.tick()
+    assert [b["seq"] for b in jobs.batches("acme", job_id, "leased", -1, 10)] == [1, 2]
+    assert jobs.view("acme", job_id)["status"] == "held"
+    # the operator lets it go: supervision resumes and the dead leases return to the pool
+    ledger.release(job_id, "tenant:acme")
+    sup.tick()
     assert [b["seq"] for b in jobs.batches("acme", job_id, "pending", -1, 10)] == [1, 2]
+    events = [f["event"] for _, f in ledger.r.xrange(ledger.keys.job(job_id).audit)]
+    assert events == ["job_created", "job_held", "job_released"]
 
 
 def test_concurrent_supervisors_never_double_recover(ledger, make_job, redis_server):
@@ -117,6 +130,38 @@ def test_lease_on_an_unreachable_source_is_a_503_with_retry_after(api):
     job_id = api.post("/v1/jobs", json={"flow_id": "dead"}).json()["job_id"]
     source.close()
     resp = api.post(f"/v1/jobs/{job_id}/lease")
-    assert resp.status_code == 503 and resp.headers["Retry-After"] == "5"
+    assert resp.status_code == 503 and int(resp.headers["Retry-After"]) >= 1
     assert resp.headers["Content-Type"] == "application/problem+json"
-    assert api.get(f"/v1/jobs/{job_id}").json()["status"] == "running"
+    view = api.get(f"/v1/jobs/{job_id}").json()
+    assert view["status"] == "running" and "items.jsonl" in view["source_error"]
+
+
+def test_a_source_that_breaks_later_is_retried_then_fails_the_job(api):
+    """Retried under the first stage's retry policy (3 attempts here), then the job fails with the
+    error; it never waits forever, and a pull loop is told to stop."""
+    from tests.chunker.helpers import Server, file_app
+
+    source = Server(file_app(b"".join(b'{"n": %d}\n' % i for i in range(6)), honour_range=True))
+    api.post("/v1/flows", json={
+        "id": "breaks", "version": "1", "batching": {"max_items": 2},
+        "stages": [{"name": "s", "retry": {"initial_interval": 0.05, "maximum_attempts": 3}}],
+        "source": {"type": "jsonl", "url": f"{source.url}/items.jsonl"}})
+    job_id = api.post("/v1/jobs", json={"flow_id": "breaks"}).json()["job_id"]
+    first = api.post(f"/v1/jobs/{job_id}/lease").json()
+    api.post(f"/v1/jobs/{job_id}/batches/{first['seq']}/complete", json={"lease_token": first["lease_token"]})
+    source.close()
+    answers = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        resp = api.post(f"/v1/jobs/{job_id}/lease")
+        answers.append(resp.status_code)
+        if resp.status_code == 204:
+            break
+        time.sleep(0.12)
+    assert answers[-1] == 204 and set(answers[:-1]) == {503}
+    assert resp.headers["Batchgate-Job-Status"] == "failed"
+    view = api.get(f"/v1/jobs/{job_id}").json()
+    assert view["status"] == "failed" and "after 3 attempt(s)" in view["error"]
+    assert view["committed_cursor"] == first["end_cursor"]  # the committed batch stays committed
+    audit = api.get(f"/v1/jobs/{job_id}/audit").json()["entries"]
+    assert audit[-1]["event"] == "job_failed" and audit[-1]["actor"] == "source"

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import redis
 from flask import Blueprint, g, jsonify, request
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.api.common import idempotent, json_body, query_int
 from gateway.app import request_services
 from gateway.errors import InvalidRequest
 from gateway.jobs import JobRequest, ResumeRequest
+from gateway.records import typed_entry
 from gateway.validation import parse
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
@@ -54,38 +56,64 @@ def job_log(job_id: str):
     """Execution log entries, oldest first, after stream id ``after``."""
     services = request_services()
     spec = services.jobs.owned_spec(g.tenant, job_id)
-    names = [s.name for s in spec.flow.stages]
+    return jsonify({"entries": _read_stream(services, services.ledger.keys.job(job_id).log,
+                                            [s.name for s in spec.flow.stages])})
+
+
+def _read_stream(services, key: str, stage_names: list[str] | None) -> list[dict]:
+    """Entries after ``?after=`` (a stream id), at most ``?limit=``, with typed values."""
     after = request.args.get("after", "-")
     limit = query_int("limit", 200, 1, 10_000)
     start = "-" if after == "-" else f"({after}"
     try:
-        entries = services.redis.xrange(services.ledger.keys.job(job_id).log, start, "+", count=limit)
+        entries = services.redis.xrange(key, start, "+", count=limit)
     except redis.ResponseError as exc:  # a malformed stream id from the caller
         raise InvalidRequest("after must be a log entry id such as 1700000000000-0") from exc
-    def named(fields: dict[str, str]) -> dict[str, str]:
-        stage = fields.get("stage")
-        if stage is not None and stage.isdigit() and int(stage) < len(names):
-            return {**fields, "stage": names[int(stage)]}
-        return fields
+    return [{"id": i, **typed_entry(fields, stage_names)} for i, fields in entries]
 
-    return jsonify({"entries": [{"id": i, **named(fields)} for i, fields in entries]})
+
+@bp.get("/<job_id>/audit")
+def job_audit(job_id: str):
+    """Control events (created, paused, resumed, cursor moved, cancelled, ...), oldest first; never capped."""
+    services = request_services()
+    services.jobs.owned_spec(g.tenant, job_id)
+    return jsonify({"entries": _read_stream(services, services.ledger.keys.job(job_id).audit, None)})
 
 
 @bp.post("/<job_id>/pause")
 def pause(job_id: str):
+    """No new leases; answers for batches already in flight are still taken."""
     services = request_services()
     services.jobs.owned_spec(g.tenant, job_id)
-    services.ledger.set_status(job_id, "paused", ("running",), g.actor)
+    services.ledger.pause(job_id, g.actor)
     return jsonify(services.jobs.view(g.tenant, job_id))
+
+
+@bp.post("/<job_id>/release")
+def release(job_id: str):
+    """Let a job held by record-only recovery run again."""
+    services = request_services()
+    services.jobs.owned_spec(g.tenant, job_id)
+    services.ledger.release(job_id, g.actor)
+    if services.dispatcher is not None:
+        services.dispatcher.kick(job_id)
+    return jsonify(services.jobs.view(g.tenant, job_id))
+
+
+class CancelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field(default="", max_length=500)
 
 
 @bp.post("/<job_id>/cancel")
 def cancel(job_id: str):
+    """Final: voids every outstanding lease. Cancelling a cancelled job again answers 200."""
     services = request_services()
     services.jobs.owned_spec(g.tenant, job_id)
-    services.ledger.set_status(job_id, "cancelled", ("running", "paused", "waiting_human", "failed"),
-                               g.actor)
-    return jsonify(services.jobs.view(g.tenant, job_id))
+    req = parse(CancelRequest, json_body(required=False), "cancel request")
+    result = services.ledger.cancel(job_id, g.actor, req.reason)
+    return jsonify({**services.jobs.view(g.tenant, job_id), "cancel": result})
 
 
 @bp.post("/<job_id>/resume")

@@ -5,11 +5,14 @@
 -- ARGV[4] items fetched by this stage (JSON list; '' = none)   ARGV[5] item count of ARGV[4]
 -- ARGV[6] number of stages   ARGV[7] log maxlen   ARGV[8] budget total   ARGV[9] tolerated failure %
 -- ARGV[10] '1' if ARGV[4] was taken from the output's "items" (ignored unless this is the fetch stage)
+-- ARGV[11] actor (for the log of a late answer)
 -- Returns {'ok', next_stage (-1 = batch committed), job status, attempt, stage}
 --       | {'duplicate', stage, attempt}  (the same lease already committed this stage)
---       | {'stale', status, attempt} | {'corrupt'} | {'missing'} | {'invalid', message}
+--       | {'stale', status, attempt} | {'cancelled'} | {'corrupt', why?} | {'missing'} | {'invalid', message}
 -- Invariant 1: a stage result is committed at most once. The fencing token is checked, the output
--- stored, the stage or the low watermark advanced and the log appended, all here.
+-- stored, the stage or the low watermark advanced and the log appended, all here. A cancelled job
+-- takes no answer (it goes to the log as late_answer). Every change is computed and its counters
+-- checked before the first write.
 local batch = load(KEYS[2])
 if batch == false then return {'corrupt'} end
 if batch == nil then return {'missing'} end
@@ -20,6 +23,11 @@ if batch['status'] ~= 'leased' or batch['lease_token'] ~= token then
     if committed and string.sub(committed, -#token - 1) == ' ' .. token then
       return {'duplicate', int(i), string.match(committed, '^(%d+)')}
     end
+  end
+  if redis.call('HGET', KEYS[1], 'status') == 'cancelled' then
+    log(KEYS[6], ARGV[7], {'event', 'late_answer', 'seq', batch['seq'], 'stage', batch['stage'],
+      'answer', 'completed', 'actor', ARGV[11], 'error', 'job cancelled'})
+    return {'cancelled'}
   end
   return {'stale', batch['status'], batch['attempt']}
 end
@@ -48,11 +56,7 @@ if batch['error'] ~= '' then bchg['error'] = '' end
 bchg['out:' .. stage] = ARGV[2]
 bchg['st:' .. stage] = 'completed'
 bchg['c:' .. stage] = attempt .. ' ' .. token
-redis.call('ZREM', KEYS[4], seq)
-if items ~= '' then
-  redis.call('SET', KEYS[3], items)
-  bchg['n_items'] = ARGV[5]
-end
+if items ~= '' then bchg['n_items'] = ARGV[5] end
 if sets_cursor then
   bchg['end_cursor'] = ARGV[3]
   if job['blocked'] == seq then
@@ -60,16 +64,17 @@ if sets_cursor then
     if ARGV[3] == 'null' then jchg['exhausted'] = '1' else jchg['frontier'] = ARGV[3] end
   end
 end
+local swept = {}
+local parked = false
 if next_stage < nstages then
   bchg['stage'] = int(next_stage)
   bchg['status'] = 'pending'
   bchg['attempt'] = '0'
-  redis.call('ZADD', KEYS[7 + next_stage], now, seq)
+  bchg['unspent'] = '0'
 else
   next_stage = -1
   bchg['status'] = 'completed'
   bchg['completed_ms'] = int(now)
-  redis.call('DEL', KEYS[3])
   local n_items = tonumber(bchg['n_items'] or batch['n_items'])
   jchg['n_done'] = int(tonumber(job['n_done']) + 1)
   jchg['n_open'] = int(tonumber(job['n_open']) - 1)
@@ -82,16 +87,28 @@ else
     while true do
       local later = redis.call('HGET', KEYS[5], int(wm))
       if not later then break end
-      redis.call('HDEL', KEYS[5], int(wm))
+      swept[#swept + 1] = int(wm)
       cursor = later
       wm = wm + 1
     end
     jchg['wm'] = int(wm)
     jchg['committed_cursor'] = cursor
   elseif tonumber(seq) > tonumber(job['wm']) then
-    redis.call('HSET', KEYS[5], seq, end_cursor)
+    parked = end_cursor
   end
   finish_changes(job, jchg, now, ARGV[8], tonumber(ARGV[9]))
+  local bad = negative_counter(job, jchg)
+  if bad then return refuse_corrupt(KEYS[1], KEYS[6], ARGV[7], bad .. ' would go negative committing batch ' .. seq) end
+end
+-- writes
+redis.call('ZREM', KEYS[4], seq)
+if items ~= '' then redis.call('SET', KEYS[3], items) end
+if next_stage >= 0 then
+  redis.call('ZADD', KEYS[7 + next_stage], now, seq)
+else
+  redis.call('DEL', KEYS[3])
+  if #swept > 0 then redis.call('HDEL', KEYS[5], unpack(swept)) end
+  if parked then redis.call('HSET', KEYS[5], seq, parked) end
 end
 save(KEYS[2], batch, bchg)
 if job then save(KEYS[1], job, jchg) end

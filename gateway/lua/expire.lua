@@ -4,7 +4,7 @@
 -- ARGV[1] seq   ARGV[2] maximum attempts   ARGV[3] initial interval (ms)   ARGV[4] backoff coefficient
 -- ARGV[5] maximum interval (ms)   ARGV[6] jitter in [0,1)   ARGV[7] log maxlen   ARGV[8] budget total
 -- ARGV[9] tolerated failure %   ARGV[10] actor
--- Returns {'retry'|'failed', attempt} | {'alive'} | {'corrupt'}
+-- Returns {'retry'|'failed', attempt} | {'alive'} | {'held'} | {'corrupt'}
 -- Invariant: a lease is expired once: the deadline is re-checked here, and the old holder's token is
 -- void afterwards (its complete gets 'stale'), so several supervisors cannot double-recover.
 local seq = ARGV[1]
@@ -17,6 +17,8 @@ if not batch or not job then
   redis.call('ZREM', KEYS[3], seq)
   return {'corrupt'}
 end
+-- a held job (record-only recovery) changes nothing until an operator releases it
+if job['status'] == 'held' then return {'held'} end
 if batch['status'] ~= 'leased' then
   redis.call('ZREM', KEYS[3], seq)
   return {'alive'}
@@ -27,4 +29,5 @@ local outcome = fail_attempt(k, job, batch, seq, {now = now, message = 'lease ex
   retryable = true, max_attempts = tonumber(ARGV[2]), initial_ms = tonumber(ARGV[3]),
   coef = tonumber(ARGV[4]), max_ms = tonumber(ARGV[5]), jitter = tonumber(ARGV[6]), maxlen = ARGV[7],
   budget_total = ARGV[8], tolerated_pct = tonumber(ARGV[9]), actor = ARGV[10]})
+if outcome == 'corrupt' then return {'corrupt'} end
 return {outcome, batch['attempt']}

@@ -5,13 +5,19 @@
 -- ARGV[5] initial interval (ms)   ARGV[6] backoff coefficient   ARGV[7] maximum interval (ms)
 -- ARGV[8] jitter in [0,1)   ARGV[9] log maxlen   ARGV[10] budget total   ARGV[11] tolerated failure %
 -- ARGV[12] actor   ARGV[13] minimum delay before the retry (ms; Retry-After)
--- Returns {'retry'|'failed', attempt, job status} | {'stale', status, attempt} | {'corrupt'} | {'missing'}
+-- Returns {'retry'|'failed', attempt, job status} | {'stale', status, attempt} | {'cancelled'}
+--       | {'corrupt'} | {'missing'}
 -- Invariant: only the current lease holder can fail an attempt; a batch out of attempts or with a fatal
 -- error fails for good and the failure budget decides the job.
 local batch = load(KEYS[2])
 if batch == false then return {'corrupt'} end
 if batch == nil then return {'missing'} end
 if batch['status'] ~= 'leased' or batch['lease_token'] ~= ARGV[1] then
+  if redis.call('HGET', KEYS[1], 'status') == 'cancelled' then
+    log(KEYS[5], ARGV[9], {'event', 'late_answer', 'seq', batch['seq'], 'answer', 'failed',
+      'actor', ARGV[12], 'error', 'job cancelled'})
+    return {'cancelled'}
+  end
   return {'stale', batch['status'], batch['attempt']}
 end
 local job = load(KEYS[1])
@@ -23,4 +29,5 @@ local outcome = fail_attempt(k, job, batch, batch['seq'], {now = now_ms(), messa
   coef = tonumber(ARGV[6]), max_ms = tonumber(ARGV[7]), jitter = tonumber(ARGV[8]), maxlen = ARGV[9],
   budget_total = ARGV[10], tolerated_pct = tonumber(ARGV[11]), actor = ARGV[12],
   min_delay_ms = tonumber(ARGV[13])})
+if outcome == 'corrupt' then return {'corrupt'} end
 return {outcome, batch['attempt'], job['status']}

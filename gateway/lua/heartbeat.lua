@@ -1,12 +1,14 @@
 -- heartbeat.lua: extend a live lease and store the worker's progress details.
 -- KEYS[1] job   KEYS[2] batch:<seq>   KEYS[3] leases
 -- ARGV[1] lease token   ARGV[2] extension (ms)   ARGV[3] progress (JSON, '' to keep)
--- Returns {'ok', deadline_ms, job status} | {'stale', status, attempt} | {'corrupt'} | {'missing'}
+-- Returns {'ok', deadline_ms, job status} | {'stale', status, attempt} | {'cancelled'} | {'corrupt'}
+--       | {'missing'}
 -- Invariant: only the current holder (matching token) can extend; the deadline only moves forward.
 local batch = load(KEYS[2])
 if batch == false then return {'corrupt'} end
 if batch == nil then return {'missing'} end
 if batch['status'] ~= 'leased' or batch['lease_token'] ~= ARGV[1] then
+  if redis.call('HGET', KEYS[1], 'status') == 'cancelled' then return {'cancelled'} end
   return {'stale', batch['status'], batch['attempt']}
 end
 local deadline = now_ms() + tonumber(ARGV[2])

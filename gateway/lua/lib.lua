@@ -55,6 +55,41 @@ local function log(key, maxlen, fields)
   redis.call('XADD', unpack(args))
 end
 
+-- The audit stream: control events, never trimmed (retention expires it with the job).
+local function audit(key, fields)
+  local args = {key, '*'}
+  for i = 1, #fields do args[#args + 1] = fields[i] end
+  redis.call('XADD', unpack(args))
+end
+
+-- Counters kept in the job record. Each equals a recount over the batches of the current plan
+-- (seqs base_seq .. next_seq-1): n_open = pending or leased, n_done = completed, n_failed = failed,
+-- items_done = items of completed batches.
+local COUNTERS = {'n_open', 'n_done', 'n_failed', 'items_done'}
+
+-- nil when every counter the job would have after ``changes`` is >= 0, else the name of the first
+-- that is not. Scripts call this before their first write: a counter going negative is a ledger bug,
+-- and the script then marks the job corrupt instead of writing anything (see refuse_corrupt).
+local function negative_counter(job, changes)
+  for _, name in ipairs(COUNTERS) do
+    local v = tonumber(changes[name] or job[name])
+    if v == nil or v < 0 then return name end
+  end
+  return nil
+end
+
+-- Mark the job corrupt (it never runs again until an operator looks) and say why in the log.
+local function refuse_corrupt(job_key, log_key, maxlen, why)
+  redis.call('HSET', job_key, 'corrupt', '1')
+  log(log_key, maxlen, {'event', 'ledger_invariant_broken', 'error', why})
+  return {'corrupt', why}
+end
+
+-- Statuses in which a job still decides its own end when its last open batch commits.
+local function live(status)
+  return status == 'running' or status == 'paused' or status == 'held'
+end
+
 -- Backoff for the attempt that just failed: min(initial * coef^(attempt-1), max), equal jitter.
 local function backoff_ms(attempt, initial_ms, coef, max_ms, jitter)
   local delay = initial_ms * (coef ^ (attempt - 1))
@@ -72,7 +107,7 @@ end
 -- Decide a running job's end once its source is exhausted and no batch is open.
 local function finish_changes(job, changes, now, budget_total, tolerated_pct)
   local status = changes['status'] or job['status']
-  if status ~= 'running' and status ~= 'paused' then return end
+  if not live(status) then return end
   local exhausted = (changes['exhausted'] or job['exhausted']) == '1'
   local blocked = changes['blocked'] or job['blocked']
   local open = tonumber(changes['n_open'] or job['n_open'])
@@ -95,7 +130,7 @@ end
 local function failed_for_good(job, jchg, seq, now, budget_total, tolerated_pct)
   jchg['n_failed'] = int(tonumber(job['n_failed']) + 1)
   jchg['n_open'] = int(tonumber(job['n_open']) - 1)
-  if job['status'] ~= 'running' and job['status'] ~= 'paused' then return end
+  if not live(job['status']) then return end
   local merged = {next_seq = job['next_seq'], base_seq = job['base_seq'], n_failed = jchg['n_failed']}
   if job['blocked'] == seq then
     jchg['status'] = 'failed'
@@ -112,28 +147,38 @@ end
 
 -- A stage attempt failed (reported, or its lease expired). Retry with backoff while
 -- attempts remain and the error is retryable; otherwise the batch fails for good and
--- the failure budget decides the job. Returns 'retry' or 'failed'.
+-- the failure budget decides the job. Returns 'retry', 'failed' or 'corrupt' (nothing written but the
+-- corrupt mark). Attempts a lease was released from without a platform call ('unspent') do not count.
 local function fail_attempt(k, job, batch, seq, p)
   local stage = batch['stage']
   local now = p.now
   local attempt = tonumber(batch['attempt'])
+  local spent = attempt - tonumber(batch['unspent'] or '0')
   local bchg = {lease_token = '', deadline_ms = '', error = p.message}
   bchg['st:' .. stage] = 'failed'
-  redis.call('ZREM', k.leases, seq)
   local jchg = {updated_ms = int(now)}
-  local outcome
-  if p.retryable and attempt < p.max_attempts then
-    local ready_at = now + math.max(backoff_ms(attempt, p.initial_ms, p.coef, p.max_ms, p.jitter),
+  local outcome, ready_at
+  if p.retryable and spent < p.max_attempts then
+    ready_at = now + math.max(backoff_ms(spent, p.initial_ms, p.coef, p.max_ms, p.jitter),
       p.min_delay_ms or 0)
     bchg['status'] = 'pending'
     bchg['ready_ms'] = int(ready_at)
-    redis.call('ZADD', k.ready[tonumber(stage) + 1], ready_at, seq)
     outcome = 'retry'
   else
     bchg['status'] = 'failed'
-    redis.call('ZADD', k.failed, seq, seq)
     failed_for_good(job, jchg, seq, now, p.budget_total, p.tolerated_pct)
     outcome = 'failed'
+  end
+  local bad = negative_counter(job, jchg)
+  if bad then
+    refuse_corrupt(k.job, k.log, p.maxlen, bad .. ' would go negative failing batch ' .. seq)
+    return 'corrupt'
+  end
+  redis.call('ZREM', k.leases, seq)
+  if outcome == 'retry' then
+    redis.call('ZADD', k.ready[tonumber(stage) + 1], ready_at, seq)
+  else
+    redis.call('ZADD', k.failed, seq, seq)
   end
   save(k.batch, batch, bchg)
   save(k.job, job, jchg)

@@ -33,6 +33,10 @@ if ARGV[5] ~= '' then redis.call('SET', KEYS[3], ARGV[5]) end
 redis.call('ZADD', KEYS[4], now, seq)
 local chg = {next_seq = int(tonumber(seq) + 1), n_open = int(tonumber(job['n_open']) + 1),
   updated_ms = int(now)}
+if (job['src_failures'] or '0') ~= '0' then
+  chg['src_failures'] = '0'
+  chg['src_error'] = ''
+end
 if ARGV[3] == '' then
   chg['blocked'] = seq
 else

@@ -1,0 +1,34 @@
+-- begin.lua: a push-mode worker is about to call the platform for a leased batch stage.
+-- KEYS[1] job   KEYS[2] batch:<seq>   KEYS[3] leases   KEYS[4] ready:<stage>   KEYS[5] log
+-- ARGV[1] lease token   ARGV[2] lease length (ms)   ARGV[3] log maxlen
+-- Returns {'ok', deadline_ms} | {'released', job status} | {'stale', status, attempt} | {'cancelled'}
+--       | {'corrupt'} | {'missing'}
+-- Invariant: a platform call starts only for the current lease of a running job, decided here in one
+-- step, so a cancel (which voids leases) either came before and no call starts, or came after the
+-- call had begun. The lease clock restarts now: time spent queued for a worker does not count. A job
+-- that is paused, held or failed releases the lease back to the ready set without spending an attempt.
+local batch = load(KEYS[2])
+if batch == false then return {'corrupt'} end
+if batch == nil then return {'missing'} end
+if batch['status'] ~= 'leased' or batch['lease_token'] ~= ARGV[1] then
+  if redis.call('HGET', KEYS[1], 'status') == 'cancelled' then return {'cancelled'} end
+  return {'stale', batch['status'], batch['attempt']}
+end
+local status = redis.call('HGET', KEYS[1], 'status') or 'missing'
+local now = now_ms()
+local seq = batch['seq']
+if status == 'running' then
+  local deadline = now + tonumber(ARGV[2])
+  save(KEYS[2], batch, {deadline_ms = int(deadline), called_ms = int(now)})
+  redis.call('ZADD', KEYS[3], deadline, seq)
+  return {'ok', int(deadline)}
+end
+local chg = {status = 'pending', lease_token = '', deadline_ms = '', ready_ms = int(now),
+  unspent = int(tonumber(batch['unspent'] or '0') + 1)}
+chg['st:' .. batch['stage']] = 'pending'
+save(KEYS[2], batch, chg)
+redis.call('ZREM', KEYS[3], seq)
+redis.call('ZADD', KEYS[4], now, seq)
+log(KEYS[5], ARGV[3], {'event', 'call_not_started', 'seq', seq, 'stage', batch['stage'],
+  'attempt', batch['attempt'], 'job_status', status})
+return {'released', status}
