@@ -52,7 +52,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     common.add_argument("--url", default=None, help="gateway URL (default http://HOST:PORT from settings)")
     common.add_argument("--token", default=None, help="bearer token (default $BATCHGATE_TOKEN)")
 
-    jobs = sub.add_parser("jobs", help="list, show, pause, resume, cancel jobs")
+    jobs = sub.add_parser("jobs", help="list, show, pause, resume, cancel, release jobs")
     jsub = jobs.add_subparsers(metavar="action", required=True)
     ls = jsub.add_parser("list", parents=[common])
     ls.add_argument("--status")
@@ -61,7 +61,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     show.add_argument("job_id")
     show.add_argument("--watch", action="store_true", help="live progress bar until the job ends")
     show.set_defaults(func=jobs_show)
-    for action in ("pause", "cancel", "retry-failed"):
+    for action in ("pause", "cancel", "retry-failed", "release"):
         p = jsub.add_parser(action, parents=[common])
         p.add_argument("job_id")
         p.set_defaults(func=jobs_action, action=action)

@@ -1,0 +1,82 @@
+"""Cancel of a push-mode job with platform calls queued behind a busy worker: no call starts after the
+cancel response and no answer commits after it (begin.lua gates every call; cancel voids leases)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from tests.test_push_e2e import push_stack
+
+
+class SlowPlatform:
+    """A sync platform on 127.0.0.1 that takes ``delay`` seconds per call and records arrivals."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.arrivals: list[tuple[float, int]] = []
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with outer.lock:
+                    outer.arrivals.append((time.monotonic(), body["seq"]))
+                time.sleep(outer.delay)
+                data = json.dumps({"status": "succeeded", "output": {"n": len(body["items"])}}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
+                         daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def test_cancel_with_calls_queued_starts_no_call_and_commits_nothing_after(settings, redis_client, tmp_path):
+    platform = SlowPlatform(delay=1.0)
+    flow = {"id": "push-cancel", "version": "1", "batching": {"max_items": 2}, "concurrency": 8,
+            "source": {"type": "sequence", "count": 40},
+            "stages": [{"name": "score", "lease": 30, "timeout": 10,
+                        "target": {"type": "http", "url": f"{platform.url}/score", "mode": "sync",
+                                   "max_in_flight": 8}}]}
+    try:
+        with push_stack(settings, redis_client, tmp_path / "data", workers=1) as (api, ledger, _):
+            assert api.post("/v1/flows", json=flow).status_code == 201
+            job_id = api.post("/v1/jobs", json={"flow_id": "push-cancel"}).json()["job_id"]
+            deadline = time.monotonic() + 30
+            while not platform.arrivals:  # the one worker is inside its first call; the rest wait
+                assert time.monotonic() < deadline, "no platform call started"
+                time.sleep(0.01)
+            assert api.get(f"/v1/jobs/{job_id}").json()["batches"]["leased"] >= 4
+            resp = api.post(f"/v1/jobs/{job_id}/cancel")
+            cancelled_at = time.monotonic()
+            assert resp.status_code == 200 and resp.json()["cancel"]["voided_leases"] >= 4
+            at_cancel = resp.json()
+            time.sleep(3)  # the in-flight call answers; queued RQ jobs get their turn and must not call
+            after = api.get(f"/v1/jobs/{job_id}").json()
+            log = api.get(f"/v1/jobs/{job_id}/log?limit=10000").json()["entries"]
+    finally:
+        platform.close()
+    late_calls = [seq for t, seq in platform.arrivals if t > cancelled_at]
+    assert late_calls == []
+    assert len(platform.arrivals) == 1
+    assert after["status"] == "cancelled"
+    assert (after["items_done"], after["batches"]) == (at_cancel["items_done"], at_cancel["batches"])
+    events = [e["event"] for e in log]
+    cut = events.index("job_cancelled")
+    assert "stage_completed" not in events[cut:]
+    first_seq = platform.arrivals[0][1]
+    assert [e["seq"] for e in log[cut:] if e["event"] == "late_answer"] == [first_seq]
