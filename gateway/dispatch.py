@@ -151,6 +151,11 @@ class Dispatcher:
         """Poll a platform run; keep the lease alive while it runs."""
         spec = self.ledger.spec(job_id)
         stage = spec.flow.stages[stage_idx]
+        if self.ledger.r.hget(self.ledger.keys.job(job_id).job, "status") == "held":
+            # record-only recovery: no call runs for a held job; ask again later, lease untouched
+            self.queue.enqueue_in(stage.poll_interval, poll_stage, job_id, seq, stage_idx, attempt,
+                                  token, handle, result_ttl=60, failure_ttl=86400)
+            return
         try:
             self.ledger.heartbeat(job_id, seq, token)
         except (StaleLease, NotFound, JobCancelled):

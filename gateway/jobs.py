@@ -94,7 +94,11 @@ class JobService:
         created, updated = int(job["created_ms"]), int(job["updated_ms"])
         elapsed_s = max((updated - created) / 1000, 1e-3)
         rate = done / elapsed_s if done else 0.0
-        remaining = None if total is None else max(total - done, 0)
+        # items_done counts the current plan; after a cursor move the plan starts at its offset
+        plan_cursor = loads_or_none(job.get("plan_cursor"))
+        start = plan_cursor.get("offset", 0) if isinstance(plan_cursor, dict) and total else 0
+        position = min(done + (start if isinstance(start, int) else 0), total or 0)
+        remaining = None if total is None else max(total - position, 0)
         view = {
             "job_id": job_id,
             "status": job["status"],
@@ -105,12 +109,12 @@ class JobService:
             "push_stages": [s.name for s in spec.flow.stages if s.target is not None],
             "committed_cursor": loads_or_none(job["committed_cursor"]),
             "committed_seq": int(job["wm"]) - 1,
-            "batches": {"planned": int(job["next_seq"]), "completed": int(job["n_done"]),
+            "batches": {"planned": int(job["next_seq"]) - int(job["base_seq"]), "completed": int(job["n_done"]),
                         "failed": int(job["n_failed"]), "open": int(job["n_open"]),
                         "leased": leased},
             "items_done": done,
             "items_total": total,
-            "progress": None if not total else round(done / total, 4),
+            "progress": None if not total else round(position / total, 4),
             "rate_items_per_s": round(rate, 2),
             "eta_s": None if remaining is None or not rate else round(remaining / rate, 1),
             "source_exhausted": job["exhausted"] == "1",

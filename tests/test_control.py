@@ -202,3 +202,15 @@ def test_a_control_action_racing_with_leasers_leaves_counters_exact(api, ledger,
     assert int(job["n_open"]) == by_status["pending"] + by_status["leased"]
     assert int(job["items_done"]) == sum(int(b["n_items"]) for b in batches if b["status"] == "completed")
     assert job["status"] == ("paused" if action == "pause" else "cancelled")
+
+
+def test_progress_after_a_cursor_move_counts_from_the_new_cursor(api):
+    job_id = make(api, count=30, max_items=5)
+    moved = api.post(f"/v1/jobs/{job_id}/resume", json={"cursor": {"type": "offset", "offset": 20},
+                                                         "reason": "skip rows 0-19"}).json()
+    assert moved["items_done"] == 0 and moved["progress"] == round(20 / 30, 4)
+    while (got := lease(api, job_id)) is not None:
+        api.post(f"/v1/jobs/{job_id}/batches/{got['seq']}/complete", json={"lease_token": got["lease_token"]})
+    done = view(api, job_id)
+    assert done["status"] == "succeeded" and done["items_done"] == 10 and done["progress"] == 1.0
+    assert done["batches"] == {"planned": 2, "completed": 2, "failed": 0, "open": 0, "leased": 0}
