@@ -184,7 +184,8 @@ def test_a_control_action_racing_with_leasers_leaves_counters_exact(api, ledger,
             if resp.status_code != 200:
                 return
             got = resp.json()
-            api.post(f"/v1/jobs/{job_id}/batches/{got['seq']}/complete", json={"lease_token": got["lease_token"]})
+            api.post(f"/v1/jobs/{job_id}/batches/{got['seq']}/complete",
+                     json={"lease_token": got["lease_token"]})
 
     threads = [threading.Thread(target=loop) for _ in range(4)]
     for t in threads:

@@ -75,8 +75,8 @@ def test_resume_by_cursor_while_batches_are_leased(ledger, make_job, seed):
     for run in range(RUNS):
         job_id = make_job(items=ITEMS, max_items=rng.choice([2, 3, 5]), stages=STAGES,
                           concurrency=rng.choice([2, 4, 8]), tolerated_failure_percentage=0,
-                          stage_defs=[{"name": s, "retry": {"initial_interval": 0.001, "maximum_attempts": 100}}
-                                      for s in STAGES])
+                          stage_defs=[{"name": s, "retry": {"initial_interval": 0.001,
+                                                            "maximum_attempts": 100}} for s in STAGES])
         stop, lock, committed = threading.Event(), threading.Lock(), []
         threads = [threading.Thread(target=_worker,
                                     args=(ledger, job_id, random.Random(rng.random()), stop, committed, lock))
