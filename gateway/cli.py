@@ -17,6 +17,7 @@ from gateway.settings import Settings
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script."""
+    os.umask(0o077)  # data folder, AOF, logs, tokens and keys: readable by this user only
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=Settings().log_level.upper(),

@@ -3,11 +3,17 @@
 Only ``up`` starts it (``start_embedded``) and records it in ``<data_dir>/redis.json``; every other
 process (``serve``, ``supervisor``, ``worker``, ``create_app()``) joins that server or refuses to start
 (``connect``). One ledger per deployment: two servers never share a data folder.
+
+The server is private to the user running batchgate: it listens on no TCP port, only on a unix socket
+in a directory of mode 0700 (``socket_dir``), so another local user cannot connect, whatever they know;
+it runs with umask 077 (data folder 0700, AOF and log 0600); CONFIG, DEBUG and MODULE are disabled.
+A socket needs no password, so no secret sits in URLs, logs or child environments.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -28,6 +34,7 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "redis.json"
 LOCK_FILE = "up.lock"
+DISABLED_COMMANDS = ("CONFIG", "DEBUG", "MODULE")
 
 
 class NoLedgerRedis(RuntimeError):
@@ -62,6 +69,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def private_dir(path: Path) -> Path:
+    """Create ``path`` (mode 0700) or check that it is ours and 0700; refuse anything else."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.getuid():
+        raise RuntimeError(f"{path} is not a directory owned by this user; refusing to use it")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def socket_dir(data_dir: Path) -> Path:
+    """A short, per-user, per-data-folder directory for the socket (a socket path may hold at most
+    about 100 bytes, and data folders can be deep): ``<tmp>/batchgate-<uid>-<hash of data_dir>``."""
+    digest = hashlib.sha1(str(Path(data_dir).resolve()).encode()).hexdigest()[:12]
+    base = Path(os.environ.get("TMPDIR") or "/tmp")
+    path = base / f"batchgate-{os.getuid()}-{digest}"
+    if len(str(path)) > 80:
+        path = Path("/tmp") / f"batchgate-{os.getuid()}-{digest}"
+    return path
+
+
+def _private_child() -> None:
+    os.umask(0o077)
+
+
 def client_for(url: str) -> redis.Redis:
     """A redis-py client as batchgate uses it everywhere (str replies, bytes kept intact)."""
     return redis.Redis.from_url(url, decode_responses=True, encoding_errors="surrogateescape",
@@ -74,7 +107,7 @@ class EmbeddedRedis:
     def __init__(self, data_dir: Path, port: int | None = None, fsync: str = "everysec",
                  preexec_fn: Callable[[], None] | None = None) -> None:
         self.data_dir = Path(data_dir).resolve()
-        self.port = port
+        self.port = port  # unused: the server listens on a unix socket only (kept for callers)
         self.fsync = fsync
         self.preexec_fn = preexec_fn
         self.proc: subprocess.Popen | None = None
@@ -83,27 +116,40 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 10.0) -> str:
         """Start the server (or reuse one already serving this folder); returns its URL."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir)
         reused = self._reuse()
         if reused:
             self.url = reused
             return reused
-        self.port = self.port or free_port()
-        args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+        sock = private_dir(socket_dir(self.data_dir)) / "redis.sock"
+        args = [find_redis_server(), "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
                 "--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", self.fsync,
                 "--save", "", "--daemonize", "no", "--logfile", "redis.log",
                 "--protected-mode", "yes"]
-        # C collation: Lua's string order must match Python's for record checksums
-        env = {**os.environ, "LC_ALL": "C"}
+        for command in DISABLED_COMMANDS:
+            args += ["--rename-command", command, ""]
+        # C collation: Lua's string order must match Python's for record checksums. Only what
+        # redis-server needs goes to its environment: no tokens or keys of ours.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHGATE_")}
+        env["LC_ALL"] = "C"
+        outer = self.preexec_fn
+
+        def preexec() -> None:
+            _private_child()
+            if outer is not None:
+                outer()
+
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True, env=env, preexec_fn=self.preexec_fn)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+                                     start_new_session=True, env=env, preexec_fn=preexec)
+        self.url = f"unix://{sock}?db=0"
         self._wait_ready(timeout_s)
         state = self.data_dir / STATE_FILE
         tmp = state.with_name(f".{STATE_FILE}.{os.getpid()}")
-        tmp.write_text(json.dumps({"url": self.url, "pid": self.proc.pid}))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps({"url": self.url, "pid": self.proc.pid}))
         os.replace(tmp, state)  # readers never see half a file
-        log.info("embedded redis started pid=%s port=%s dir=%s", self.proc.pid, self.port, self.data_dir)
+        log.info("embedded redis started pid=%s socket=%s dir=%s", self.proc.pid, sock, self.data_dir)
         return self.url
 
     def _reuse(self) -> str | None:
@@ -190,6 +236,8 @@ class EmbeddedRedis:
 def embedded_url(client: redis.Redis) -> SecretStr:
     """The URL of the server ``client`` talks to (to hand an embedded Redis to child processes)."""
     kw = client.connection_pool.connection_kwargs
+    if kw.get("path"):
+        return SecretStr(f"unix://{kw['path']}?db={kw.get('db', 0)}")
     return SecretStr(f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}")
 
 
@@ -198,16 +246,17 @@ def recorded_url(data_dir: Path) -> str | None:
     data_dir = Path(data_dir).resolve()
     try:
         url = json.loads((data_dir / STATE_FILE).read_text())["url"]
+        # the socket lives in this user's private directory derived from this data folder: whatever
+        # answers there serves it (no other user can create it); a stale file names a dead socket
+        expected = f"unix://{socket_dir(data_dir) / 'redis.sock'}?db=0"
+        if url != expected:
+            return None
         client = client_for(url)
         try:
             client.ping()
-            served = client.config_get("dir").get("dir", "")
         finally:
             client.close()
     except (OSError, ValueError, KeyError, TypeError, redis.RedisError):
-        return None
-    # a stale file may name a port some other server took since
-    if os.path.realpath(served) != os.path.realpath(data_dir):
         return None
     return url
 
