@@ -2,13 +2,19 @@
 
 It plays two workflows the way an n8n or Dify flow would:
 
-POST /score  callback mode: answers 200 "Workflow was started" at once, scores the envelope's resumes in
-             the background (one simulated paid model call each) and POSTs the result to the
-             envelope's ``callback_url``.
-POST /store  sync mode: stores the scores under the request's ``Idempotency-Key`` (a repeat with the same
-             key stores nothing new) and answers with the contract ``{"status", "output"}``.
-GET  /stats  what happened: calls, paid model calls, stored keys, duplicates.
-GET  /stored the stored scores by idempotency key.
+POST /score       callback mode: answers 200 "Workflow was started" at once, scores the envelope's
+                  resumes in the background (one simulated paid model call each) and POSTs the result
+                  to the envelope's ``callback_url``.
+POST /score-sync  sync mode: scores the envelope's resumes while the caller waits and answers with the
+                  contract ``{"status", "output": {"scores"}}``. A caller that dies meanwhile does not
+                  stop the run: the platform finishes it (and pays for it), the answer is lost.
+POST /store       sync mode: stores the scores under the request's ``Idempotency-Key`` (a repeat with
+                  the same key stores nothing new) and answers with the contract ``{"status", "output"}``.
+GET  /stats       what happened, from the platform's own records: calls per path, paid model calls
+                  (``model_calls``, ``scored`` per resume), scoring runs per batch idempotency key
+                  (``score_runs``), the scoring runs going on right now (``in_flight``,
+                  ``in_flight_runs``), stored keys and repeated stores.
+GET  /stored      the stored scores by idempotency key.
 
 Knobs make it unreliable on purpose: ``fail_rate`` (HTTP 500 "Error in workflow"), ``drop_rate``
 (accept, never call back), ``duplicate_rate`` (call back twice), ``delay_s`` per resume.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import random
 import threading
@@ -52,6 +59,9 @@ class StandInPlatform:
         self.calls: Counter = Counter()
         self.model_calls = 0
         self.scored: Counter = Counter()
+        self.score_runs: Counter = Counter()
+        self.running: dict[int, tuple[str, float]] = {}
+        self.run_ids = itertools.count()
         self.stored: dict[str, Any] = {}
         self.store_repeats = 0
         self.http = requests.Session()
@@ -76,7 +86,11 @@ class StandInPlatform:
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
+            now = time.monotonic()
+            runs = [{"idempotency_key": key, "running_s": round(now - started, 3)}
+                    for key, started in self.running.values()]
             return {"calls": dict(self.calls), "model_calls": self.model_calls, "scored": dict(self.scored),
+                    "score_runs": dict(self.score_runs), "in_flight": len(runs), "in_flight_runs": runs,
                     "stored_keys": len(self.stored), "store_repeats": self.store_repeats}
 
     def _roll(self, rate: float) -> bool:
@@ -92,7 +106,20 @@ class StandInPlatform:
         threading.Thread(target=self._score_and_call_back, args=(env, drop, dup), daemon=True).start()
         return 200, {"message": "Workflow was started"}
 
-    def _score_and_call_back(self, env: dict, drop: bool, duplicate: bool) -> None:
+    def begin_run(self, env: dict) -> int:
+        """A scoring run starts: it is in flight until its answer is sent (or dropped)."""
+        with self.lock:
+            run_id = next(self.run_ids)
+            key = str(env.get("idempotency_key", ""))
+            self.running[run_id] = (key, time.monotonic())
+            self.score_runs[key] += 1
+            return run_id
+
+    def end_run(self, run_id: int) -> None:
+        with self.lock:
+            self.running.pop(run_id, None)
+
+    def _score_items(self, env: dict) -> dict[str, int]:
         scores = {}
         for resume in env.get("items") or []:
             time.sleep(self.delay_s)
@@ -101,14 +128,27 @@ class StandInPlatform:
             with self.lock:
                 self.model_calls += 1
                 self.scored[rid] += 1
-        if drop:
-            return
-        body = {"status": "succeeded", "output": {"scores": scores}}
-        for _ in range(2 if duplicate else 1):
-            try:
-                self.http.post(env["callback_url"], json=body, timeout=10)
-            except requests.RequestException:
-                pass
+        return scores
+
+    def _score_and_call_back(self, env: dict, drop: bool, duplicate: bool) -> None:
+        run_id = self.begin_run(env)
+        try:
+            scores = self._score_items(env)
+            if drop:
+                return
+            body = {"status": "succeeded", "output": {"scores": scores}}
+            for _ in range(2 if duplicate else 1):
+                try:
+                    self.http.post(env["callback_url"], json=body, timeout=10)
+                except requests.RequestException:
+                    pass
+        finally:
+            self.end_run(run_id)
+
+    def handle_score_sync(self, env: dict) -> tuple[int, dict]:
+        if self._roll(self.fail_rate):
+            return 500, {"message": "Error in workflow"}
+        return 200, {"status": "succeeded", "output": {"scores": self._score_items(env)}}
 
     def handle_store(self, env: dict, key: str) -> tuple[int, dict]:
         if self._roll(self.fail_rate):
@@ -131,11 +171,14 @@ class StandInPlatform:
 
             def _send(self, status: int, body: dict) -> None:
                 data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:  # the caller is gone (a killed worker): its answer is lost
+                    self.close_connection = True
 
             def do_GET(self) -> None:
                 if self.path == "/stats":
@@ -153,6 +196,12 @@ class StandInPlatform:
                     platform.calls[self.path] += 1
                 if self.path == "/score":
                     self._send(*platform.handle_score(env))
+                elif self.path == "/score-sync":
+                    run_id = platform.begin_run(env)
+                    try:
+                        self._send(*platform.handle_score_sync(env))
+                    finally:
+                        platform.end_run(run_id)
                 elif self.path == "/store":
                     self._send(*platform.handle_store(env, self.headers.get("Idempotency-Key", "")))
                 else:

@@ -1,9 +1,10 @@
 """A pull-mode worker for the resume-screening flow: what an n8n or Dify loop does, in Python.
 
 Each thread loops: lease a batch, do its stage, heartbeat while working, complete it.
-  score: one (simulated) paid model call per resume, logged to model_calls.jsonl
+  score: one (simulated) paid model call per resume, logged to model_calls.jsonl as it starts (a call
+         cut off by a kill is paid for all the same); these lines are the demo's paid calls
   store: writes the batch's scores to results/<idempotency_key>.json (overwrite = idempotent)
-Every stage attempt started is logged to attempts.jsonl so the demo can count re-runs.
+Every stage attempt started is logged to attempts.jsonl (the demo counts repeated stores from it).
 
 Usage: python worker.py BASE_URL TOKEN JOB_ID WORK_DIR [THREADS]
 """
@@ -78,8 +79,9 @@ class Worker:
     def score_batch(self, env: dict) -> dict | None:
         scores = {}
         for resume in env["items"]:
+            append_line(self.work / "model_calls.jsonl",
+                        {"resume": resume["id"], "seq": env["seq"], "attempt": env["attempt"]})
             scores[resume["id"]] = score(resume, env["params"]["profile"])
-            append_line(self.work / "model_calls.jsonl", {"resume": resume["id"], "seq": env["seq"]})
             beat = self.post(f"/batches/{env['seq']}/heartbeat",
                              {"lease_token": env["lease_token"], "progress": {"scored": len(scores)}})
             if beat.status_code == 409:
