@@ -1,4 +1,8 @@
-"""HTTP helpers: GET with error classification, and URLs that are safe to show."""
+"""HTTP helpers: GET with error classification, and URLs that are safe to show.
+
+Readers send every request through the session they are given: a server passes one that guards
+outbound addresses and redirects (gateway.outbound); standalone use gets a plain requests.Session.
+"""
 
 from __future__ import annotations
 
@@ -52,7 +56,14 @@ def retry_after_seconds(value: str | None) -> float | None:
 
 
 def request_error(exc: requests.RequestException, url: str) -> SourceReadError:
-    """Converts a requests exception to SourceReadError without echoing the query string."""
+    """Converts a requests exception to SourceReadError without echoing the query string.
+
+    An exception with a string ``refusal`` attribute (a caller's outbound guard refused the address,
+    see gateway.outbound) is a non-retryable error that gives the reason.
+    """
+    refusal = getattr(exc, "refusal", None)
+    if isinstance(refusal, str):
+        return SourceReadError(f"GET {display_url(url)} refused: {refusal}", retryable=False)
     transient = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
     retryable = isinstance(exc, transient) and not isinstance(exc, requests.exceptions.SSLError)
     reason = type(exc).__name__

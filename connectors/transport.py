@@ -3,6 +3,9 @@
 Every outbound request goes through :func:`send`: the body is ``encode(payload)``, the headers are
 ``signed_headers(call, body)`` plus the platform's auth, and connection errors and timeouts become
 ``PlatformError(RETRYABLE)``. Messages built here are clipped and scrubbed of the call's secret values.
+The gateway passes a guarded session (gateway.outbound): it checks the address of every connection and
+redirect hop, and drops the auth and signature headers when a redirect changes the origin; an address it
+refuses, or too many redirects, is ``PlatformError(FATAL)``.
 """
 
 from __future__ import annotations
@@ -90,8 +93,10 @@ def send(call: StageCall, session: requests.Session, method: str, url: str, *, p
         raise PlatformError(f"could not reach {platform} at {urlsplit(url).netloc}: {type(exc).__name__}",
                             Retry.RETRYABLE, platform_ids=platform_ids) from exc
     except requests.RequestException as exc:
-        raise PlatformError(f"{platform} request failed: {type(exc).__name__}", Retry.FATAL,
-                            platform_ids=platform_ids) from exc
+        refusal = getattr(exc, "refusal", None)  # the gateway's outbound guard refused an address or hop
+        reason = (f"refused: {clip(refusal, call)}" if isinstance(refusal, str)
+                  else f"failed: {type(exc).__name__}")
+        raise PlatformError(f"{platform} request {reason}", Retry.FATAL, platform_ids=platform_ids) from exc
 
 
 def json_body(resp: requests.Response) -> Any:

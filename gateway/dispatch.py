@@ -42,6 +42,7 @@ from gateway.errors import BatchgateError, JobCancelled, NotFound, StaleLease
 from gateway.flows import Stage
 from gateway.jobspec import JobSpec
 from gateway.ledger import ABSENT, Ledger, idempotency_key
+from gateway.outbound import session_for
 from gateway.records import loads_or_none
 from gateway.security import sign
 from gateway.settings import Settings
@@ -83,7 +84,8 @@ class Dispatcher:
         ledger = ledger or Ledger(client_for(url), settings)
         qurl = settings.queue_redis_url.get_secret_value() if settings.queue_redis_url else url
         queue = Queue(QUEUE_NAME, connection=redis.Redis.from_url(qurl), serializer=JSONSerializer)
-        return cls(settings, ledger, queue, requests.Session(), Allowlist.parse(settings.outbound_allow))
+        # every trigger and poll goes through the outbound guard: checked addresses, checked redirect hops
+        return cls(settings, ledger, queue, session_for(settings), Allowlist.parse(settings.outbound_allow))
 
     # -- pump ------------------------------------------------------------------------------
 
@@ -200,7 +202,10 @@ class Dispatcher:
         return connectors.get_connector(stage.target["type"])
 
     def _guarded(self, call: StageCall, stage: Stage, fn) -> Outcome | PlatformError:
-        """Run a connector call behind the URL guard; failures come back as values."""
+        """Run a connector call behind the URL guard; failures come back as values.
+
+        The URLs are checked here for a clear message; ``self.session`` checks again on each connection
+        and redirect hop (a refusal there is a FATAL PlatformError from the connector)."""
         try:
             for url in target_urls(stage.target):
                 check_url(url, self.allow)

@@ -19,6 +19,12 @@ PROBLEM = "application/problem+json"
 
 
 @pytest.fixture
+def settings(settings):
+    """The sources here are servers on 127.0.0.1, which the outbound guard admits only when allowed."""
+    return settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"]})
+
+
+@pytest.fixture
 def serve():
     """Starts local HTTP servers on 127.0.0.1 (see tests/chunker/helpers.py) and stops them after."""
     servers: list[Server] = []

@@ -6,9 +6,17 @@ import threading
 import time
 from collections import Counter
 
+import pytest
+
 from gateway.embedded import client_for
 from gateway.ledger import Ledger
 from gateway.supervisor import Supervisor
+
+
+@pytest.fixture
+def settings(settings):
+    """Sources and targets here are servers on 127.0.0.1: the outbound guard admits them only when allowed."""
+    return settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"]})
 
 
 def _leased_job(ledger, make_job, leases=3):

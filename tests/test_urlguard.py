@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 import pytest
 
-from gateway.urlguard import Allowlist, UnsafeURL, check_url
+from gateway.urlguard import Allowlist, UnsafeURL, check_url, forbidden, numeric_host
 
 NOTHING = Allowlist()
 
@@ -28,7 +29,8 @@ def test_refuses_other_schemes_and_missing_hosts(url):
 
 
 def test_refuses_a_hostname_that_resolves_to_a_forbidden_address(monkeypatch):
-    answers = {"evil.example": "169.254.169.254", "internal.example": "10.0.0.1", "public.example": "93.184.216.34"}
+    answers = {"evil.example": "169.254.169.254", "internal.example": "10.0.0.1",
+               "public.example": "93.184.216.34"}
 
     def fake_getaddrinfo(host, port, *args, **kwargs):
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (answers[host], port))]
@@ -50,3 +52,86 @@ def test_allowlist_admits_networks_and_hosts():
 
 def test_public_address_passes():
     check_url("https://93.184.216.34/hook", NOTHING)
+
+
+# -- every refused range and spelling -------------------------------------------------------------------
+
+REFUSED_HOSTS = [
+    "100.64.0.1", "100.127.255.254",                         # shared address space (CGNAT)
+    "[2002:7f00:1::]", "[2002:a00:1::]",                     # 6to4 wrapping loopback, private
+    "[64:ff9b::7f00:1]", "[64:ff9b::a9fe:a9fe]",             # NAT64 wrapping loopback, metadata
+    "[64:ff9b:1::1]",                                        # local-use NAT64
+    "[2001:0:4136:e378:8000:63bf:80ff:fffe]",                # Teredo, client 127.0.0.1
+    "[::ffff:127.0.0.1]", "[::ffff:10.1.2.3]", "[::127.0.0.1]",
+    "0.0.0.0", "[::]",
+    "2130706433", "0x7f000001", "0177.0.0.1", "127.1", "0x7f.1", "017700000001", "127.0.0.1.",
+    "[::1]", "169.254.169.254", "2852039166",                # metadata, also as a decimal
+    "[fd00::1]", "[fe80::1]", "224.0.0.1", "[ff02::1]", "240.0.0.1", "255.255.255.255",
+    "192.0.2.1", "198.18.0.1",                               # documentation, benchmarking
+]
+
+
+@pytest.mark.parametrize("host", REFUSED_HOSTS)
+def test_refuses_every_non_public_range_and_spelling(host):
+    with pytest.raises(UnsafeURL, match="BATCHGATE_OUTBOUND_ALLOW"):
+        check_url(f"http://{host}:8080/x", NOTHING)
+
+
+@pytest.mark.parametrize("host", ["2130706433", "0x7f000001", "0177.0.0.1", "127.1", "0x7f.1", "2852039166"])
+def test_numeric_spellings_are_refused_by_what_they_stand_for_before_any_lookup(host, monkeypatch):
+    """Even a resolver that would answer a public address does not get asked."""
+    asked = []
+
+    def public_resolver(name, port, *args, **kwargs):
+        asked.append(name)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.216.34", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", public_resolver)
+    with pytest.raises(UnsafeURL, match=r"is (127\.0\.0\.1|169\.254\.169\.254)"):
+        check_url(f"http://{host}/", NOTHING)
+    assert asked == []
+
+
+def test_numeric_host_reads_what_inet_aton_reads():
+    assert numeric_host("2130706433") == ipaddress.ip_address("127.0.0.1")
+    assert numeric_host("0x7f.0.0.1") == ipaddress.ip_address("127.0.0.1")
+    assert numeric_host("0177.1") == ipaddress.ip_address("127.0.0.1")
+    assert numeric_host("[::1]") == ipaddress.ip_address("::1")
+    assert numeric_host("example.com") is None and numeric_host("cafe.face") is None
+
+
+@pytest.mark.parametrize("address, why", [
+    ("100.64.0.1", "CGNAT"), ("2002:7f00:1::", "loopback address (127.0.0.1) wrapped in a 6to4"),
+    ("64:ff9b::7f00:1", "loopback address (127.0.0.1) behind the NAT64"), ("64:ff9b:1::1", "NAT64"),
+    ("2001:0:4136:e378:8000:63bf:80ff:fffe", "wrapped in a Teredo"), ("::ffff:127.0.0.1", "loopback"),
+    ("0.0.0.0", "unspecified"), ("::1", "loopback"), ("169.254.169.254", "metadata"),
+    ("fd00::1", "private"), ("224.0.0.1", "multicast"), ("240.0.0.1", "reserved"),
+    ("169.254.1.1", "link-local"), ("10.0.0.1", "private"),
+])
+def test_forbidden_says_why(address, why):
+    assert why in (forbidden(ipaddress.ip_address(address)) or "")
+
+
+@pytest.mark.parametrize("address", ["93.184.216.34", "2606:4700::1111", "::ffff:93.184.216.34",
+                                     "2002:5db8:d822::1", "64:ff9b::5db8:d822"])
+def test_public_addresses_and_their_wrapped_forms_pass(address):
+    assert forbidden(ipaddress.ip_address(address)) is None
+    check_url(f"http://[{address}]/" if ":" in address else f"http://{address}/", NOTHING)
+
+
+def test_every_address_a_name_resolves_to_is_checked(monkeypatch):
+    def two_answers(host, port, *args, **kwargs):
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.216.34", port)),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.1", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", two_answers)
+    with pytest.raises(UnsafeURL, match="resolves to 10.0.0.1, a private address"):
+        check_url("https://mixed.example/", NOTHING)
+
+
+def test_allowed_networks_cover_other_spellings_of_their_addresses():
+    allow = Allowlist.parse(["127.0.0.1/32"])
+    for host in ("127.0.0.1", "2130706433", "127.1", "[::ffff:127.0.0.1]"):
+        check_url(f"http://{host}:5678/", allow)
+    with pytest.raises(UnsafeURL):
+        check_url("http://127.0.0.2:5678/", allow)
