@@ -16,6 +16,7 @@ from gateway.flows import FlowRegistry
 from gateway.idempotency import IdempotencyStore
 from gateway.jobs import JobService
 from gateway.ledger import Ledger
+from gateway.security import redact_path
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -118,5 +119,5 @@ def _register_errors(app: Flask) -> None:
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.path)
+        log.exception("unhandled error on %s %s", request.method, redact_path(request.path))
         return problem(500, "Internal error", "an unexpected error occurred; it has been logged")

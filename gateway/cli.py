@@ -9,6 +9,10 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
+
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from gateway import cli_client
 from gateway.embedded import DataDirInUse, NoLedgerRedis, connect
@@ -20,8 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     os.umask(0o077)  # data folder, AOF, logs, tokens and keys: readable by this user only
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=Settings().log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        level = Settings().log_level.upper()
+    except (ValidationError, SettingsError) as exc:  # e.g. flat BATCHGATE_SECRETS, a loose config file
+        print(f"batchgate: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
@@ -95,6 +103,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
     embedded = None
     children: dict[str, subprocess.Popen] = {}
+    env: dict[str, str] = {}
     try:
         if settings.redis_url is None:
             try:
@@ -144,6 +153,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         procs.stop_all(p for name, p in children.items() if not name.startswith("embedded"))
         if embedded is not None:
             embedded.stop()
+        if env.get("BATCHGATE_CONFIG_FILE"):  # the children's credentials (procs.child_env)
+            Path(env["BATCHGATE_CONFIG_FILE"]).unlink(missing_ok=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -66,6 +66,27 @@ def target_urls(target: dict[str, Any]) -> list[str]:
     return [target[k] for k in ("url", "base_url", "api_url") if target.get(k)]
 
 
+#: Leading arguments of each RQ entry point that are safe to show; the rest (lease token, handle) never are.
+SHOWN_ARGS = {"run_stage": 4, "poll_stage": 4, "pump_job": 1}
+
+
+class TokenlessQueue(Queue):
+    """An RQ queue whose job descriptions never carry a lease token.
+
+    RQ describes a job by its call (``run_stage('job_..', 0, 0, 1, '<lease token>', 0)``), logs that at
+    INFO when a worker starts it and keeps it in Redis for dashboards; here a job is described by its
+    function and the leading arguments ``SHOWN_ARGS`` names (job, seq, stage, attempt) only.
+    """
+
+    def create_job(self, func: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("description") is None and len(args) < 7:  # description not given positionally
+            name = getattr(func, "__name__", None) or str(func).rpartition(".")[2]
+            call_args = kwargs.get("args") if "args" in kwargs else (args[0] if args else None)
+            shown = list(call_args or ())[:SHOWN_ARGS.get(name, 0)]
+            kwargs["description"] = " ".join([name, *map(str, shown)])
+        return super().create_job(func, *args, **kwargs)
+
+
 @dataclass
 class Dispatcher:
     """Push-mode operations for one process (API, worker or supervisor)."""
@@ -83,7 +104,7 @@ class Dispatcher:
             raise RuntimeError("push mode needs BATCHGATE_REDIS_URL (set by `batchgate up`)")
         ledger = ledger or Ledger(client_for(url), settings)
         qurl = settings.queue_redis_url.get_secret_value() if settings.queue_redis_url else url
-        queue = Queue(QUEUE_NAME, connection=redis.Redis.from_url(qurl), serializer=JSONSerializer)
+        queue = TokenlessQueue(QUEUE_NAME, connection=redis.Redis.from_url(qurl), serializer=JSONSerializer)
         # every trigger and poll goes through the outbound guard: checked addresses, checked redirect hops
         return cls(settings, ledger, queue, session_for(settings), Allowlist.parse(settings.outbound_allow))
 
@@ -230,8 +251,9 @@ class Dispatcher:
             return None
         envelope = self._envelope(spec, stage, batch, seq, stage_idx, attempt, token)
         names = {k: v for k, v in stage.target.items() if k.endswith("_secret") and isinstance(v, str)}
-        resolved = {k: self.settings.secrets[v].get_secret_value()
-                    for k, v in names.items() if v in self.settings.secrets}
+        # the job's tenant's own secrets, then the shared "*" ones; never another tenant's
+        resolved = {k: value for k, v in names.items()
+                    if (value := self.settings.secret_for(spec.tenant, v)) is not None}
         return StageCall(envelope=envelope, target=stage.target, secrets=resolved,
                          timeout_s=stage.timeout.total_seconds(),
                          signing_key=self.settings.signing_secret(), idempotent=stage.idempotent)

@@ -13,12 +13,41 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 import chunker
 import connectors
-from gateway.errors import FlowConflict, NotFound
+from gateway.errors import FlowConflict, InvalidRequest, NotFound
 from gateway.keys import Keys
 from gateway.records import dumps
 from gateway.validation import parse
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+class FlowRetired(FlowConflict):
+    """The flow id and version was deleted: its tombstone keeps the label from ever being reused."""
+
+    title = "Flow version retired"
+    type_slug = "flow-retired"
+
+
+# Registration and retirement act on the one hash of a flow version atomically. A retired version keeps
+# its hash, created_ms and retired_ms (a tombstone) and loses its definition, so get() answers 404 and
+# register() answers 409 forever, whatever the content.
+_REGISTER = """
+local h = redis.call('HGET', KEYS[1], 'hash')
+if not h then
+  redis.call('HSET', KEYS[1], 'hash', ARGV[1], 'definition', ARGV[2], 'created_ms', ARGV[3])
+  return {'created', ARGV[1]}
+end
+local retired = redis.call('HGET', KEYS[1], 'retired_ms')
+if retired then return {'retired', h, retired} end
+if h ~= ARGV[1] then return {'conflict', h} end
+return {'exists', h}
+"""
+_RETIRE = """
+if redis.call('HEXISTS', KEYS[1], 'definition') == 0 then return 0 end
+redis.call('HDEL', KEYS[1], 'definition')
+redis.call('HSET', KEYS[1], 'retired_ms', ARGV[1])
+return 1
+"""
 
 
 class RetryPolicy(BaseModel):
@@ -127,24 +156,35 @@ class FlowRegistry:
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self._r = client
         self._keys = keys
+        self._register = client.register_script(_REGISTER)
+        self._retire = client.register_script(_RETIRE)
 
     def register(self, tenant: str, flow: FlowSpec) -> tuple[dict[str, Any], bool]:
-        """Store ``flow``; returns (record, created). Same id+version, other content: FlowConflict."""
+        """Store ``flow``; returns (record, created).
+
+        Same id+version with other content: FlowConflict. A retired (deleted) id+version: FlowRetired,
+        even with the content it had, so a label never comes back.
+        """
         key = self._keys.flow(tenant, flow.id, flow.version)
         digest = flow.content_hash()
-        record = {"definition": dumps(flow.model_dump(mode="json")), "hash": digest,
-                  "created_ms": str(int(time.time() * 1000))}
-        if self._r.hsetnx(key, "hash", digest):
-            self._r.hset(key, mapping=record)
-            self._r.zadd(self._keys.flows(tenant), {f"{flow.id}:{flow.version}": time.time()})
-            return self._view(self._r.hgetall(key)), True
-        existing = self._r.hgetall(key)
-        if existing.get("hash") != digest:
+        res = self._register(keys=[key], args=[digest, dumps(flow.model_dump(mode="json")),
+                                               str(int(time.time() * 1000))])
+        if res[0] == "retired":
+            raise FlowRetired(
+                f"flow {flow.id} version {flow.version} was deleted and is retired for good; "
+                "register a new version instead", registered_hash=res[1], submitted_hash=digest,
+                retired_ms=int(res[2]))
+        if res[0] == "conflict":
             raise FlowConflict(
                 f"flow {flow.id} version {flow.version} is registered with other content; "
                 "register a new version instead",
-                registered_hash=existing.get("hash"), submitted_hash=digest)
-        return self._view(existing), False
+                registered_hash=res[1], submitted_hash=digest)
+        if res[0] == "created":
+            self._r.zadd(self._keys.flows(tenant), {f"{flow.id}:{flow.version}": time.time()})
+        raw = self._r.hgetall(key)
+        if not raw.get("definition"):  # retired between the script and this read
+            raise NotFound(f"flow {flow.id} version {flow.version} not found")
+        return self._view(raw), res[0] == "created"
 
     def get(self, tenant: str, flow_id: str, version: str | None = None) -> dict[str, Any]:
         """One version (latest registered when ``version`` is None), or NotFound."""
@@ -174,8 +214,10 @@ class FlowRegistry:
         return out
 
     def delete(self, tenant: str, flow_id: str, version: str) -> None:
-        """Retire one version; jobs recorded on it can no longer resume."""
-        if not self._r.delete(self._keys.flow(tenant, flow_id, version)):
+        """Retire one version for good: it leaves a tombstone, so the id+version is never registered
+        again (whatever the content), and jobs recorded on it can no longer resume."""
+        key = self._keys.flow(tenant, flow_id, version)
+        if not self._retire(keys=[key], args=[str(int(time.time() * 1000))]):
             raise NotFound(f"flow {flow_id} version {version} not found")
         self._r.zrem(self._keys.flows(tenant), f"{flow_id}:{version}")
 
@@ -185,6 +227,27 @@ class FlowRegistry:
         current = hashlib.sha256(dumps(definition).encode()).hexdigest()
         return {"flow": definition, "hash": raw["hash"], "content_hash": current,
                 "created_ms": int(raw.get("created_ms") or 0)}
+
+
+def secret_refs(flow: FlowSpec) -> list[tuple[str, str, str]]:
+    """(stage, target field, secret name) for every ``*_secret`` field of the flow's targets."""
+    return [(stage.name, field, name) for stage in flow.stages
+            for field, name in (stage.target or {}).items()
+            if field.endswith("_secret") and isinstance(name, str) and name]
+
+
+def check_secrets(flow: FlowSpec, tenant: str, available: set[str]) -> None:
+    """422 when a target names a secret ``tenant`` does not have (its own or a shared ``*`` one).
+
+    The message is the same whether another tenant has a secret of that name or nobody does.
+    """
+    missing = [(stage, field, name) for stage, field, name in secret_refs(flow) if name not in available]
+    if missing:
+        stage, field, name = missing[0]
+        raise InvalidRequest(
+            f"stage {stage!r}: {field} names the secret {name!r}, which tenant {tenant!r} does not have; "
+            "the gateway's BATCHGATE_SECRETS must hold it under this tenant or under \"*\" (shared)",
+            missing=[{"stage": s, "field": f, "secret": n} for s, f, n in missing])
 
 
 def parse_flow(payload: Any) -> FlowSpec:

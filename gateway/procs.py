@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -17,9 +19,10 @@ from pathlib import Path
 
 import requests
 
-from gateway.settings import Settings
+from gateway.settings import CREDENTIAL_FIELDS, Settings, write_config_file
 
 TOKEN_FILE = "dev-token"
+CONFIG_FILE_PREFIX = "child-config-"  # + keyed hash of the content + .json, in the data dir
 INSTANCE_ENV = "BATCHGATE_INSTANCE_ID"  # /healthz echoes it: `up` knows its own API answered
 
 
@@ -36,15 +39,34 @@ def dev_token(data_dir: Path) -> str:
     return token
 
 
+#: Environment variables that hold credentials (settings.CREDENTIAL_FIELDS, the CLI's bearer token, a
+#: parent's own config file): a child never inherits them, it reads its credentials from its config file.
+CREDENTIAL_ENV = frozenset({*(f"BATCHGATE_{name.upper()}" for name in CREDENTIAL_FIELDS),
+                            "BATCHGATE_TOKEN", "BATCHGATE_CONFIG_FILE"})
+
+
 def child_env(settings: Settings, redis_url: str, tokens: dict[str, str]) -> dict[str, str]:
-    """Environment for children: the same Redis, the same tokens, the same settings."""
-    env = dict(os.environ)
-    env["BATCHGATE_REDIS_URL"] = redis_url
-    env["BATCHGATE_TOKENS"] = json.dumps(tokens)
+    """Environment for children: the same Redis, the same tokens, the same settings, no credential.
+
+    Anyone who can read a process's environment (``/proc/<pid>/environ`` is readable by every process
+    of the same user, ``ps e`` shows it) would read bearer tokens, platform secrets, the signing key and
+    a Redis password there. So the credentials (and whatever the parent's own config file held) go to a
+    JSON file in the data dir, mode 0600 in a 0700 directory, that the environment only names
+    (``BATCHGATE_CONFIG_FILE``); Settings reads it under the environment. The file's name is a keyed
+    hash of its content, so concurrent callers with other settings never overwrite each other's file.
+    """
+    env = {k: v for k, v in os.environ.items() if k.upper() not in CREDENTIAL_ENV}
+    values = {**settings.config_file_values(), **settings.credential_values(),
+              "redis_url": redis_url, "tokens": dict(tokens),
+              "signing_key": settings.signing_secret().decode()}
+    content = json.dumps(values, sort_keys=True, separators=(",", ":")).encode()
+    name = hmac.new(settings.signing_secret(), content, hashlib.sha256).hexdigest()[:16]
+    data_dir = Path(settings.data_dir).resolve()
+    path = write_config_file(data_dir, values, f"{CONFIG_FILE_PREFIX}{name}.json")
+    env["BATCHGATE_CONFIG_FILE"] = str(path)
     env["BATCHGATE_KEY_PREFIX"] = settings.key_prefix
     env["BATCHGATE_RECOVERY"] = settings.recovery
-    env["BATCHGATE_SIGNING_KEY"] = settings.signing_secret().decode()
-    env["BATCHGATE_DATA_DIR"] = str(Path(settings.data_dir).resolve())
+    env["BATCHGATE_DATA_DIR"] = str(data_dir)
     env[INSTANCE_ENV] = secrets.token_hex(8)
     return env
 

@@ -2,20 +2,38 @@
 
 from __future__ import annotations
 
+import json
 import os
+import stat
 from datetime import timedelta
 from pathlib import Path
 from secrets import token_urlsafe
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: The secrets tenant whose entries every tenant may name (a tenant's own entry of the same name wins).
+SHARED = "*"
+#: Settings that hold credentials: never passed to a child process in its environment (see procs.child_env).
+CREDENTIAL_FIELDS = ("tokens", "secrets", "signing_key", "redis_url", "queue_redis_url")
+FLAT_SECRETS = (
+    "BATCHGATE_SECRETS maps tenant -> {{secret name: value}}, but these entries hold a value directly: "
+    "{names} (the old flat form, where every tenant could name every secret). Give each secret to the tenant "
+    'whose flows use it, {{"<tenant>": {{"{first}": "..."}}}}, or share it with every tenant explicitly '
+    'under "*": {{"*": {{"{first}": "..."}}}}.')
 
 
 class Settings(BaseSettings):
     """Everything batchgate reads from its environment (prefix ``BATCHGATE_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="BATCHGATE_", extra="ignore")
+    # hide_input_in_errors: a validation error must not echo a token, secret or key it was given
+    model_config = SettingsConfigDict(env_prefix="BATCHGATE_", extra="ignore", hide_input_in_errors=True)
+
+    config_file: Path | None = Field(
+        default=None, description="JSON file (mode 0600) of settings by field name, read under the "
+        "environment: how credentials reach a process without its environment holding them")
+
 
     redis_url: SecretStr | None = Field(
         default=None, description="Ledger Redis; unset = start an embedded redis-server"
@@ -23,7 +41,7 @@ class Settings(BaseSettings):
     data_dir: Path = Field(default=Path(".batchgate"), description="Embedded Redis data folder")
     key_prefix: str = Field(default="bg", pattern=r"^[A-Za-z0-9_.-]+$")
     tokens: dict[str, str] = Field(
-        default_factory=dict, description='Bearer token -> tenant, as JSON: {"tok": "acme"}'
+        default_factory=dict, repr=False, description='Bearer token -> tenant, as JSON: {"tok": "acme"}'
     )
     recovery: Literal["record", "auto"] = "auto"
     idempotency_ttl: timedelta = timedelta(hours=24)
@@ -35,8 +53,9 @@ class Settings(BaseSettings):
     signing_key: SecretStr | None = Field(
         default=None, description="HMAC key for outbound signatures, callback and blob URLs; "
         "unset = a key generated once under data_dir")
-    secrets: dict[str, SecretStr] = Field(
-        default_factory=dict, description='platform credentials by name: {"dify_app": "app-..."}')
+    secrets: dict[str, dict[str, SecretStr]] = Field(
+        default_factory=dict, description='platform credentials by tenant and name: '
+        '{"acme": {"dify_app": "app-..."}, "*": {"shared_n8n": "..."}} ("*": every tenant)')
     public_url: str | None = Field(
         default=None, description="base URL platforms use to reach batchgate (callbacks, blobs)")
     outbound_allow: list[str] = Field(
@@ -60,6 +79,63 @@ class Settings(BaseSettings):
                 return value
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _read_config_file(cls, data: Any) -> Any:
+        """Fill what neither the arguments nor the environment set from ``config_file``."""
+        if not isinstance(data, dict) or not data.get("config_file"):
+            return data
+        return {**read_config_file(Path(data["config_file"])), **data}
+
+    @field_validator("tokens")
+    @classmethod
+    def _tenant_names(cls, value: dict[str, str]) -> dict[str, str]:
+        if any(tenant == SHARED or not tenant for tenant in value.values()):
+            raise ValueError(f"a token's tenant must be a non-empty name other than {SHARED!r} "
+                             "(reserved for secrets shared by all tenants)")
+        return value
+
+    @field_validator("secrets", mode="before")
+    @classmethod
+    def _secrets_by_tenant(cls, value: Any) -> Any:
+        """Refuse the old flat ``{name: value}`` form with a migration hint (names only, never values)."""
+        if not isinstance(value, dict):
+            return value
+        flat = sorted(str(k) for k, v in value.items() if not isinstance(v, dict))
+        if flat:
+            names = ", ".join(repr(n) for n in flat[:5]) + (" ..." if len(flat) > 5 else "")
+            raise ValueError(FLAT_SECRETS.format(names=names, first=flat[0]))
+        if any(not tenant for tenant in value):
+            raise ValueError("BATCHGATE_SECRETS: a tenant name must not be empty")
+        return value
+
+    def secret_for(self, tenant: str, name: str) -> str | None:
+        """The value of secret ``name`` for ``tenant``: its own entry, else the shared ``*`` one."""
+        for owner in (tenant, SHARED):
+            value = self.secrets.get(owner, {}).get(name)
+            if value is not None:
+                return value.get_secret_value() if isinstance(value, SecretStr) else str(value)
+        return None
+
+    def secret_names(self, tenant: str) -> set[str]:
+        """Names of the secrets ``tenant`` may use: its own and the shared ones."""
+        return set(self.secrets.get(tenant, {})) | set(self.secrets.get(SHARED, {}))
+
+    def credential_values(self) -> dict[str, Any]:
+        """The credential settings as plain JSON values (for a child's config file), unset ones left out."""
+        out: dict[str, Any] = {"tokens": dict(self.tokens),
+                               "secrets": {tenant: {name: _plain(v) for name, v in entries.items()}
+                                           for tenant, entries in self.secrets.items()}}
+        for name in ("signing_key", "redis_url", "queue_redis_url"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = _plain(value)
+        return out
+
+    def config_file_values(self) -> dict[str, Any]:
+        """What ``config_file`` holds ({} without one)."""
+        return read_config_file(Path(self.config_file)) if self.config_file else {}
+
     def token_map(self) -> dict[str, str]:
         """Bearer tokens mapped to tenant names."""
         return dict(self.tokens)
@@ -82,3 +158,51 @@ class Settings(BaseSettings):
             except FileExistsError:
                 pass
         return path.read_text().strip().encode()
+
+
+def _plain(value: Any) -> str:
+    return value.get_secret_value() if isinstance(value, SecretStr) else str(value)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A settings file: a JSON object of field names (``tokens``, ``secrets``, ``signing_key``, ...).
+
+    Refused (ValueError, naming the path, never the content) unless it is a regular file that only its
+    owner may read and write (``chmod 600``), holds a JSON object, and names known settings only.
+    """
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"config file {path} is not a regular file")
+        if info.st_mode & 0o077:
+            raise ValueError(f"config file {path} is readable or writable by others "
+                             f"(mode {stat.S_IMODE(info.st_mode):o}); chmod 600 it")
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ValueError(f"config file {path} cannot be read: {reason}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError(f"config file {path} is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a JSON object of settings")
+    unknown = sorted(set(data) - set(Settings.model_fields) | ({"config_file"} & set(data)))
+    if unknown:
+        raise ValueError(f"config file {path} names unknown settings: {', '.join(map(str, unknown))} "
+                         f"(use field names such as tokens, secrets, signing_key)")
+    return data
+
+
+def write_config_file(directory: Path, values: dict[str, Any], name: str) -> Path:
+    """Write ``values`` to ``directory/name`` atomically: mode 0600, the directory created 0700 if missing."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = directory / name
+    tmp = directory / f".{name}.{os.getpid()}.{token_urlsafe(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(values, fh, separators=(",", ":"))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path

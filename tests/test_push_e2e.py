@@ -140,7 +140,7 @@ def test_polled_dify_runs_finish_through_rq_scheduler(settings, redis_client, tm
                         "target": None}]}
     with FakeDify(api_key="app-e2e-key") as dify, \
             push_stack(settings, redis_client, tmp_path / "data", workers=1,
-                       secrets={"dify_app": "app-e2e-key"}) as (api, ledger, _):
+                       secrets={"acme": {"dify_app": "app-e2e-key"}}) as (api, ledger, _):
         dify.plan("async", "async", "async")
         flow["stages"][0]["target"] = {"type": "dify", "base_url": dify.base_url,
                                        "api_key_secret": "dify_app", "mode": "blocking"}

@@ -7,7 +7,7 @@ from flask import Blueprint, g, jsonify
 from gateway.api.common import json_body
 from gateway.app import request_services
 from gateway.dispatch import target_urls
-from gateway.flows import parse_flow
+from gateway.flows import check_secrets, parse_flow
 from gateway.urlguard import Allowlist, check_url
 
 bp = Blueprint("flows", __name__, url_prefix="/v1/flows")
@@ -15,13 +15,15 @@ bp = Blueprint("flows", __name__, url_prefix="/v1/flows")
 
 @bp.post("")
 def register():
-    """Register a flow version; 201 new, 200 identical, 409 same version with other content."""
+    """Register a flow version; 201 new, 200 identical, 409 same version with other content or retired,
+    422 a target naming a secret this tenant does not have."""
     flow = parse_flow(json_body())
     services = request_services()
     allow = Allowlist.parse(services.settings.outbound_allow)
     for stage in flow.stages:
         for url in target_urls(stage.target or {}):
             check_url(url, allow)
+    check_secrets(flow, g.tenant, services.settings.secret_names(g.tenant))  # 422: not this tenant's
     record, created = services.flows.register(g.tenant, flow)
     return jsonify(record), 201 if created else 200
 
@@ -47,6 +49,7 @@ def show_version(flow_id: str, version: str):
 
 @bp.delete("/<flow_id>/versions/<version>")
 def retire(flow_id: str, version: str):
-    """Retire a version; jobs recorded on it can no longer resume."""
+    """Retire a version for good (a tombstone: the id+version is never registered again); jobs
+    recorded on it can no longer resume."""
     request_services().flows.delete(g.tenant, flow_id, version)
     return "", 204
