@@ -18,6 +18,7 @@ from gateway.records import loads_or_none
 
 STATUSES = ("running", "paused", "held", "waiting_human", "succeeded", "failed", "cancelled")
 BATCH_STATUSES = ("pending", "leased", "completed", "failed", "superseded")
+LIST_PAGE = 200  # job ids read from a tenant's index at a time
 
 
 class JobRequest(BaseModel):
@@ -132,17 +133,32 @@ class JobService:
         """Newest first, optionally only jobs in ``status``."""
         if status is not None and status not in STATUSES:
             raise InvalidRequest(f"status must be one of {', '.join(STATUSES)}")
-        ids = self.ledger.r.zrevrange(self.ledger.keys.jobs(tenant), 0, -1)
-        out = []
-        for job_id in ids:
-            try:
-                view = self.view(tenant, job_id)
-            except (NotFound, CorruptRecord):
-                continue
-            if status is None or view["status"] == status:
-                out.append(view)
-            if len(out) >= limit:
+        index = self.ledger.keys.jobs(tenant)
+        out: list[dict[str, Any]] = []
+        start, previous = 0, set()
+        while len(out) < limit:  # page by page: the index holds every job the tenant ever made
+            ids = self.ledger.r.zrevrange(index, start, start + LIST_PAGE - 1)
+            if not ids:
                 break
+            gone = []
+            for job_id in ids:
+                if job_id in previous:  # pushed down a page by jobs created meanwhile
+                    continue
+                try:
+                    view = self.view(tenant, job_id)
+                except NotFound:  # its retention ran out: the index forgets it too
+                    gone.append(job_id)
+                    continue
+                except CorruptRecord:
+                    continue
+                if status is None or view["status"] == status:
+                    out.append(view)
+                    if len(out) >= limit:
+                        break
+            if gone:
+                self.ledger.r.zrem(index, *gone)
+            start += len(ids) - len(gone)
+            previous = set(ids)
         return out
 
     def batches(self, tenant: str, job_id: str, status: str | None, after: int,

@@ -6,6 +6,7 @@ import functools
 import logging
 import random
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -98,6 +99,7 @@ class Ledger(ControlOps):
         self.keys = Keys(settings.key_prefix)
         self.scripts = Scripts.register(client)
         self._specs: OrderedDict[str, JobSpec] = OrderedDict()
+        self._specs_lock = threading.Lock()  # gunicorn threads share the cache
         self._checked = False
 
     def check_digest_agreement(self) -> None:
@@ -116,10 +118,11 @@ class Ledger(ControlOps):
 
     def spec(self, job_id: str) -> JobSpec:
         """The job's frozen spec (cached, LRU-bounded: it never changes), or NotFound / CorruptRecord."""
-        cached = self._specs.get(job_id)
-        if cached is not None:
-            self._specs.move_to_end(job_id)
-            return cached
+        with self._specs_lock:
+            cached = self._specs.get(job_id)
+            if cached is not None:
+                self._specs.move_to_end(job_id)
+                return cached
         fields = self.r.hgetall(self.keys.job(job_id).spec)
         if not fields:
             raise NotFound(f"job {job_id} not found")
@@ -127,10 +130,16 @@ class Ledger(ControlOps):
             self.r.hset(self.keys.job(job_id).spec, "corrupt", "1")
             raise CorruptRecord(f"job {job_id} spec failed its checksum; it will not run")
         spec = JobSpec.from_fields(fields)
-        self._specs[job_id] = spec
-        if len(self._specs) > SPEC_CACHE:
-            self._specs.popitem(last=False)
+        with self._specs_lock:
+            self._specs[job_id] = spec
+            while len(self._specs) > SPEC_CACHE:
+                self._specs.popitem(last=False)
         return spec
+
+    def forget(self, job_id: str) -> None:
+        """Drop the job's cached spec (the supervisor, once the job is finished and retired)."""
+        with self._specs_lock:
+            self._specs.pop(job_id, None)
 
     def job_fields(self, job_id: str) -> dict[str, str]:
         """The job hash, checked against its checksum; a corrupt one is marked."""

@@ -87,6 +87,7 @@ class Supervisor:
                 self._tick_job(job_id)
             except (NotFound, CorruptRecord):
                 self.ledger.r.srem(self.ledger.keys.active, job_id)
+                self.ledger.forget(job_id)
             except BatchgateError as exc:  # e.g. its source is unreachable: other jobs go on
                 log.warning("supervisor: job_id=%s skipped this pass: %s", job_id, exc.detail)
 
@@ -106,6 +107,7 @@ class Supervisor:
             spec = self.ledger.spec(job_id)
             self.ledger.expire_job(job_id, spec.flow.retention)
         self.ledger.r.srem(self.ledger.keys.active, job_id)
+        self.ledger.forget(job_id)  # this process will not look at it again: no spec kept for it
         log.info("job retired from supervision job_id=%s status=%s", job_id, status)
 
     def run(self) -> None:
