@@ -43,6 +43,11 @@ def _worker(ledger, job_id, rng, stop, committed, lock):
             pass  # superseded by the cursor move: the answer is refused, nothing changes
 
 
+def _committed_offset(ledger, job_id):
+    done_at = json.loads(ledger.job_fields(job_id)["committed_cursor"] or "null")
+    return ITEMS if done_at is None else done_at["offset"]
+
+
 def _offsets(batch):
     start = json.loads(batch["start_cursor"])["offset"]
     return start, start + int(batch["n_items"])
@@ -84,10 +89,16 @@ def test_resume_by_cursor_while_batches_are_leased(ledger, make_job, seed):
         for t in threads:
             t.start()
         time.sleep(rng.random() * 0.02)
-        done_at = json.loads(ledger.job_fields(job_id)["committed_cursor"] or "null")
-        here = ITEMS if done_at is None else done_at["offset"]
-        cursor = rng.randrange(0, ITEMS)
-        moves["backward" if cursor < here else "forward"] += 1
+        want = rng.choice(["forward", "backward"])
+        here = _committed_offset(ledger, job_id)
+        while want == "backward" and here == 0:  # something must be committed to rewind over
+            time.sleep(0.0005)
+            here = _committed_offset(ledger, job_id)
+        if want == "forward" and here < ITEMS:
+            cursor = rng.randrange(here, ITEMS)
+        else:
+            want, cursor = "backward", rng.randrange(0, here)
+        moves[want] += 1
         ledger.replan(job_id, {"type": "offset", "offset": cursor}, "race-test", f"run {run}")
         deadline = time.monotonic() + 20
         for t in threads:
@@ -99,4 +110,4 @@ def test_resume_by_cursor_while_batches_are_leased(ledger, make_job, seed):
         final = Counter(c for c in committed if c[0] >= base)
         assert final and set(final.values()) == {1}, (run, final)
         assert len(final) == (int(ledger.job_fields(job_id)["next_seq"]) - base) * len(STAGES)
-    assert moves["backward"] > 20 and moves["forward"] > 20, moves
+    assert moves["backward"] > 60 and moves["forward"] > 60, moves
