@@ -4,10 +4,15 @@ Source specs (validate_spec fills the defaults shown):
 
 - {"type": "inline", "items": [...]}
 - {"type": "sequence", "count": N, "start": 0}
-- {"type": "jsonl", "path" | "url": ...}
-- {"type": "csv", "path" | "url": ..., "delimiter": ",", "header": true}
+- {"type": "jsonl", "path" | "url": ..., "max_record_bytes"?: N}
+- {"type": "csv", "path" | "url": ..., "delimiter": ",", "header": true, "max_record_bytes"?: N}
 - {"type": "http_json", "url": ..., "items_field": "data", "headers": {}, "params": {},
   "pagination": {"style": "none" | "offset" | "page" | "token" | "link" | "key", ...}}
+
+Local paths are opened through chunker.localfiles: /proc, /dev, /sys and anything but a regular file
+are never read, and open_source's file_access confines paths to roots (a server passes its roots; the
+default reads any other path). A line (jsonl) or record (csv) longer than max_record_bytes (default
+1 MiB, absent from the normalised spec) fails the read; no reader holds more than one batch in memory.
 
 Cursors are JSON-serialisable dicts (see chunker.cursors). A Batch's end_cursor is where
 the next batch starts, or None once the source is exhausted.
@@ -36,12 +41,16 @@ from chunker.errors import ChunkerError, SourceReadError, SourceSpecError
 from chunker.files import CsvSource, JsonlSource, validate_file_spec
 from chunker.http_api import HttpJsonSource, validate_http_json
 from chunker.inline import InlineSource, SequenceSource, validate_inline, validate_sequence
+from chunker.localfiles import DEFAULT_MAX_RECORD_BYTES, FileAccess, FileAccessError
 from chunker.source import Source
 from chunker.validation import Fields
 
 __all__ = [
     "Batch",
     "ChunkerError",
+    "DEFAULT_MAX_RECORD_BYTES",
+    "FileAccess",
+    "FileAccessError",
     "Source",
     "SourceReadError",
     "SourceSpecError",
@@ -87,6 +96,7 @@ def open_source(
     session: requests.Session | None = None,
     timeout_s: float = 30.0,
     inline_items: Sequence | None = None,
+    file_access: FileAccess | None = None,
 ) -> Source:
     """Validates spec and returns a Source for it; performs no I/O.
 
@@ -96,6 +106,9 @@ def open_source(
         timeout_s: Connect and read timeout for each HTTP request, in seconds.
         inline_items: For inline sources, any object supporting len() and obj[a:b];
             overrides spec["items"] (which may then be omitted).
+        file_access: For jsonl/csv paths: the roots paths must resolve into, directories never read
+            and the cap on max_record_bytes (checked when reading). None: any path but /proc, /dev,
+            /sys (for trusted callers; a server must pass its roots).
 
     Raises:
         SourceSpecError: If spec or the arguments are invalid.
@@ -105,7 +118,7 @@ def open_source(
     checked = _validate(spec, require_items=inline_items is None)
     if inline_items is not None and checked["type"] != "inline":
         raise SourceSpecError(f"inline_items can only be used with an inline source, not {checked['type']!r}")
-    return _build(checked, session, timeout_s, inline_items)
+    return _build(checked, session, timeout_s, inline_items, file_access)
 
 
 def validate_cursor(cursor: Any, spec: dict | None = None) -> dict:
@@ -124,7 +137,8 @@ def validate_cursor(cursor: Any, spec: dict | None = None) -> dict:
     return _build(_validate(spec, require_items=False), None, 30.0, None).validate_cursor(cursor)
 
 
-def _build(checked: dict, session: requests.Session | None, timeout_s: float, inline_items: Any) -> Source:
+def _build(checked: dict, session: requests.Session | None, timeout_s: float, inline_items: Any,
+           file_access: FileAccess | None = None) -> Source:
     """Creates the Source for a validated spec."""
     source_type = checked["type"]
     if source_type == "inline":
@@ -134,4 +148,4 @@ def _build(checked: dict, session: requests.Session | None, timeout_s: float, in
     if source_type == "http_json":
         return HttpJsonSource(checked, session, timeout_s)
     file_source = JsonlSource if source_type == "jsonl" else CsvSource
-    return file_source(checked, session, timeout_s)
+    return file_source(checked, session, timeout_s, access=file_access or FileAccess())

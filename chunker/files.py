@@ -19,6 +19,7 @@ from chunker.batching import Entry, ReadFailure
 from chunker.cursors import offset_cursor
 from chunker.errors import SourceReadError
 from chunker.httputil import display_url, http_get, request_error
+from chunker.localfiles import UNCONFINED, FileAccess, ensure_csv_field_limit, open_file
 from chunker.source import Source
 from chunker.validation import Fields
 
@@ -29,7 +30,8 @@ _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-")
 
 def validate_file_spec(f: Fields, source_type: str) -> dict:
     """Checks a jsonl/csv spec: exactly one of "path" or "url", plus csv options."""
-    allowed = {"type", "path", "url"} | ({"delimiter", "header"} if source_type == "csv" else set())
+    allowed = {"type", "path", "url", "max_record_bytes"}
+    allowed |= {"delimiter", "header"} if source_type == "csv" else set()
     f.only(allowed)
     if ("path" in f.data) == ("url" in f.data):
         f.fail("path", "or 'url' must be given (exactly one of them)")
@@ -44,13 +46,16 @@ def validate_file_spec(f: Fields, source_type: str) -> dict:
             f.fail("delimiter", f"must be one character, not a quote or newline, got {delimiter!r}")
         spec["delimiter"] = delimiter
         spec["header"] = f.get_bool("header", True)
+    if "max_record_bytes" in f.data:  # absent: localfiles.DEFAULT_MAX_RECORD_BYTES (not filled in)
+        spec["max_record_bytes"] = f.get_int("max_record_bytes", minimum=1)
     return spec
 
 
-def _file_chunks(path: str, byte: int) -> Generator[bytes, None, None]:
-    """Yields the bytes of a local file from position byte on."""
+def _file_chunks(path: str, byte: int, access: FileAccess) -> Generator[bytes, None, None]:
+    """Yields the bytes of a local file from position byte on, opened as access allows (localfiles)."""
+    fd, _ = open_file(path, access)
     try:
-        with open(path, "rb") as fh:
+        with open(fd, "rb", buffering=0) as fh:
             fh.seek(byte)
             while chunk := fh.read(_CHUNK_BYTES):
                 yield chunk
@@ -96,8 +101,26 @@ def _http_chunks(
         resp.close()
 
 
-def _split_lines(chunks: Generator[bytes, None, None]) -> Generator[bytes, None, None]:
-    """Yields lines including their b"\\n" terminator (the last line may lack one)."""
+class _LineTooLong(Exception):
+    """A line (or csv record) is longer than the source's max_record_bytes."""
+
+
+def _content_length(buf: bytes | bytearray, start: int = 0, end: int | None = None) -> int:
+    """Length of the line buf[start:end] without its b"\\n" or b"\\r\\n" terminator."""
+    end = len(buf) if end is None else end
+    if end > start and buf[end - 1] == 0x0A:
+        end -= 1
+        if end > start and buf[end - 1] == 0x0D:
+            end -= 1
+    return end - start
+
+
+def _split_lines(chunks: Generator[bytes, None, None], limit: int) -> Generator[bytes, None, None]:
+    """Yields lines including their b"\\n" terminator (the last line may lack one).
+
+    Raises _LineTooLong once a line is longer than limit bytes (terminator excluded): the buffer
+    never holds more than limit + 1 bytes of one line plus one chunk, whatever the stream holds.
+    """
     buf = bytearray()
     with closing(chunks):
         for chunk in chunks:
@@ -105,10 +128,16 @@ def _split_lines(chunks: Generator[bytes, None, None]) -> Generator[bytes, None,
             buf += chunk
             start = 0
             while (nl := buf.find(b"\n", scan)) >= 0:
+                if _content_length(buf, start, nl + 1) > limit:
+                    raise _LineTooLong
                 yield bytes(buf[start : nl + 1])
                 start = scan = nl + 1
             del buf[:start]
+            if len(buf) > limit + 1:  # no newline within limit + 1 bytes (a CR may precede the LF)
+                raise _LineTooLong
     if buf:
+        if _content_length(buf) > limit:
+            raise _LineTooLong
         yield bytes(buf)
 
 
@@ -131,6 +160,10 @@ class _Pos:
         """Returns the cursor of the current position."""
         return offset_cursor(self.offset, self.byte, self.line)
 
+    def next_where(self) -> str:
+        """Returns the location of the next physical line, without moving."""
+        return f"byte {self.byte}" if self.line is None else f"line {self.line + 1} (byte {self.byte})"
+
 
 def _resume(cursor: dict) -> tuple[_Pos, int]:
     """Returns where to start reading and how many records to skip first."""
@@ -142,12 +175,15 @@ def _resume(cursor: dict) -> tuple[_Pos, int]:
 class _FileSource(Source):
     """Shared plumbing for jsonl and csv sources."""
 
-    def __init__(self, spec: dict, session: requests.Session | None, timeout_s: float) -> None:
+    def __init__(self, spec: dict, session: requests.Session | None, timeout_s: float,
+                 *, access: FileAccess = UNCONFINED) -> None:
         self._path: str | None = spec.get("path")
         self._url: str | None = spec.get("url")
         self._where = self._path if self._path is not None else display_url(self._url or "")
         self._session = session
         self._timeout_s = timeout_s
+        self._access = access
+        self._limit: int = access.record_limit(spec)
 
     def initial_cursor(self) -> dict:
         """Returns the start of the file."""
@@ -156,15 +192,19 @@ class _FileSource(Source):
     def _lines(self, byte: int) -> Generator[bytes, None, None]:
         """Returns the lines of the file from position byte on."""
         if self._path is not None:
-            return _split_lines(_file_chunks(self._path, byte))
+            return _split_lines(_file_chunks(self._path, byte, self._access), self._limit)
         if self._session is None:
             self._session = requests.Session()
-        return _split_lines(_http_chunks(self._session, self._url or "", byte, self._timeout_s))
+        return _split_lines(_http_chunks(self._session, self._url or "", byte, self._timeout_s), self._limit)
 
     def _failure(self, where: str, problem: str) -> ReadFailure:
         """Returns a non-retryable failure naming the file and location."""
         message = f"{self.source_type} {self._where}, {where}: {problem}"
         return ReadFailure(SourceReadError(message, retryable=False))
+
+    def _too_long(self, where: str, what: str) -> ReadFailure:
+        """Returns the failure for a line or record longer than max_record_bytes (never its content)."""
+        return self._failure(where, f"{what} is longer than max_record_bytes ({self._limit} bytes)")
 
 
 class JsonlSource(_FileSource):
@@ -175,20 +215,23 @@ class JsonlSource(_FileSource):
     def _entries(self, cursor: dict, max_items: int) -> Generator[Entry, None, None]:
         pos, skip = _resume(cursor)
         with closing(self._lines(pos.byte)) as lines:
-            for raw in lines:
-                payload, where = pos.advance(raw)
-                payload = payload.strip()
-                if not payload:
-                    continue
-                pos.offset += 1
-                if pos.offset <= skip:
-                    continue
-                try:
-                    item = json.loads(payload)
-                except ValueError as exc:  # includes UnicodeDecodeError
-                    yield self._failure(where, f"invalid JSON: {exc}"), None
-                    return
-                yield item, pos.cursor()
+            try:
+                for raw in lines:
+                    payload, where = pos.advance(raw)
+                    payload = payload.strip()
+                    if not payload:
+                        continue
+                    pos.offset += 1
+                    if pos.offset <= skip:
+                        continue
+                    try:
+                        item = json.loads(payload)
+                    except ValueError as exc:  # includes UnicodeDecodeError
+                        yield self._failure(where, f"invalid JSON: {exc}"), None
+                        return
+                    yield item, pos.cursor()
+            except _LineTooLong:
+                yield self._too_long(pos.next_where(), "line"), None
 
 
 class _Header(NamedTuple):
@@ -204,31 +247,45 @@ class CsvSource(_FileSource):
 
     source_type = "csv"
 
-    def __init__(self, spec: dict, session: requests.Session | None, timeout_s: float) -> None:
-        super().__init__(spec, session, timeout_s)
+    def __init__(self, spec: dict, session: requests.Session | None, timeout_s: float,
+                 *, access: FileAccess = UNCONFINED) -> None:
+        super().__init__(spec, session, timeout_s, access=access)
         self._delimiter: str = spec["delimiter"]
         self._has_header: bool = spec["header"]
         self._header: _Header | None = None
 
     def _rows(self, pos: _Pos) -> Generator[tuple[list[str] | ReadFailure, str], None, None]:
-        """Yields (row, location) for non-empty records from pos on, advancing pos."""
+        """Yields (row, location) for non-empty records from pos on, advancing pos.
+
+        A record (its physical lines together) longer than max_record_bytes fails before the csv
+        module holds more than that; the csv field size limit is raised to stay out of the way.
+        """
         where = ""
+        record_bytes = 0
 
         def text_lines(lines: Iterable[bytes]) -> Iterator[str]:
-            """Decodes lines for the csv module, tracking where each record starts."""
-            nonlocal where
+            """Decodes lines for the csv module, tracking where each record starts and its size."""
+            nonlocal where, record_bytes
             for raw in lines:
+                if record_bytes + _content_length(raw) > self._limit:
+                    raise _LineTooLong
+                record_bytes += len(raw)
                 payload, line_where = pos.advance(raw)
                 where = where or line_where
                 yield payload.decode("utf-8")
 
+        ensure_csv_field_limit(self._limit)
         with closing(self._lines(pos.byte)) as lines:
             reader = csv.reader(text_lines(lines), delimiter=self._delimiter)
             while True:
-                where = ""
+                where, record_bytes = "", 0
                 try:
                     row = next(reader)
                 except StopIteration:
+                    return
+                except _LineTooLong:
+                    where = where or pos.next_where()
+                    yield self._too_long(where, "record"), where
                     return
                 except (csv.Error, UnicodeDecodeError) as exc:
                     yield self._failure(where, f"invalid CSV: {exc}"), where
@@ -273,4 +330,4 @@ class CsvSource(_FileSource):
         if len(row) != len(self._header.names):
             expected = len(self._header.names)
             return self._failure(where, f"row has {len(row)} fields but the header has {expected}")
-        return dict(zip(self._header.names, row))
+        return dict(zip(self._header.names, row, strict=True))

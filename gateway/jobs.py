@@ -67,7 +67,8 @@ class JobService:
             raise InvalidRequest(str(exc)) from exc
         if inline is not None:
             source = {"type": "inline", "count": len(inline)}
-        total_bytes = probe_source(source, flow)  # 422/503 now rather than failing every lease later
+        # 422/503 now rather than failing every lease later; a path must be one the tenant may read
+        total_bytes = probe_source(source, flow, self.ledger.settings, tenant)
         spec = JobSpec(job_id=new_job_id(), tenant=tenant, flow=flow, flow_hash=record["hash"],
                        source=source, params=req.params,
                        total_hint=total_hint(source, len(inline) if inline is not None else None),

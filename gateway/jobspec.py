@@ -13,9 +13,11 @@ import redis
 import requests
 
 import chunker
+from chunker.localfiles import check_path, open_file
 from gateway.errors import InvalidRequest, SourceUnavailable
 from gateway.flows import FlowSpec
 from gateway.records import dumps, loads_or_none
+from gateway.settings import Settings
 
 #: Connect and read timeout of each request the creation probe makes; well under a worker's timeout.
 PROBE_TIMEOUT_S = 10.0
@@ -100,7 +102,49 @@ def total_hint(source: dict[str, Any], inline_count: int | None) -> int | None:
     return open_source(source, inline_items=None).total_hint
 
 
-def probe_source(source: dict[str, Any], flow: FlowSpec) -> int | None:
+def file_access(settings: Settings | None, tenant: str | None) -> chunker.FileAccess:
+    """The local files a tenant's jsonl/csv paths may read: under its own and the shared ("*") roots of
+    BATCHGATE_SOURCE_ROOTS, never under the data directory (signing key, tokens, Redis files), never
+    /proc, /dev, /sys (chunker.localfiles). Without settings file paths are off."""
+    if settings is None:
+        return chunker.FileAccess(roots=())
+    roots = settings.source_roots
+    allowed = (*roots.get(tenant, ()), *roots.get("*", ())) if tenant is not None else ()
+    return chunker.FileAccess(roots=tuple(allowed), deny=(str(settings.data_dir),),
+                              max_record_bytes=settings.max_record_bytes)
+
+
+def check_source_access(source: dict[str, Any] | None, settings: Settings | None, tenant: str | None) -> None:
+    """422 (naming the rule, never a file's content) for a jsonl/csv source the tenant may not read.
+
+    Checks what needs no file: file sources on, an absolute path resolving inside the tenant's roots and
+    outside /proc, /dev, /sys and the data directory, max_record_bytes within the server's cap. Used when
+    a flow is registered and when a job is created; every read checks again (open_file).
+    """
+    if not source or source.get("type") not in FILE_TYPES:
+        return
+    cap = settings.max_record_bytes if settings is not None else chunker.DEFAULT_MAX_RECORD_BYTES
+    wanted = source.get("max_record_bytes")
+    if isinstance(wanted, int) and wanted > cap:
+        raise InvalidRequest(f"source field 'max_record_bytes' is {wanted}, over the server's cap of {cap} "
+                             "bytes (BATCHGATE_MAX_RECORD_BYTES)")
+    if "path" not in source:
+        return
+    access = file_access(settings, tenant)
+    if not access.roots:
+        if settings is not None and settings.source_roots:
+            raise InvalidRequest(f"file sources are off for tenant {tenant}: BATCHGATE_SOURCE_ROOTS lists "
+                                 'no directory for it or for "*"')
+        raise InvalidRequest("file sources are off: set BATCHGATE_SOURCE_ROOTS to the directories jsonl/csv "
+                             "paths may read")
+    try:
+        check_path(source["path"], access)
+    except chunker.FileAccessError as exc:
+        raise InvalidRequest(f"source: {exc}") from exc
+
+
+def probe_source(source: dict[str, Any], flow: FlowSpec, settings: Settings | None = None,
+                 tenant: str | None = None) -> int | None:
     """Read the first batch of a validated source and drop it, so an unreadable source fails at creation.
 
     Reads at most one batch (``flow.batching``); inline, sequence and external sources are not read.
@@ -108,9 +152,14 @@ def probe_source(source: dict[str, Any], flow: FlowSpec) -> int | None:
     else None. Raises InvalidRequest if the source cannot be read (missing file, bad first rows, HTTP 4xx),
     SourceUnavailable (503, Retry-After) if it could not be reached right now (HTTP 429/5xx, connection
     refused, timeout): a 4xx would be replayed for the Idempotency-Key's lifetime, a 503 releases the key.
+    A path must be one the tenant may read (check_source_access, file_access; without settings: none).
     """
     if source["type"] not in (*FILE_TYPES, "http_json"):
         return None
+    check_source_access(source, settings, tenant)
+    timeout_s = PROBE_TIMEOUT_S
+    if settings is not None:
+        timeout_s = min(timeout_s, settings.source_read_timeout.total_seconds())
     lengths: list[int] = []
 
     def record_length(resp: requests.Response, *args: Any, **kwargs: Any) -> None:
@@ -120,7 +169,8 @@ def probe_source(source: dict[str, Any], flow: FlowSpec) -> int | None:
         if source["type"] in FILE_TYPES:
             session.hooks["response"].append(record_length)
         try:
-            reader = open_source(source, session=session, timeout_s=PROBE_TIMEOUT_S)
+            reader = open_source(source, session=session, timeout_s=timeout_s, settings=settings,
+                                 tenant=tenant)
             reader.read_batch(reader.initial_cursor(), max_items=flow.batching.max_items,
                               max_bytes=flow.batching.max_bytes)
         except chunker.SourceReadError as exc:
@@ -132,9 +182,11 @@ def probe_source(source: dict[str, Any], flow: FlowSpec) -> int | None:
         except chunker.SourceSpecError as exc:
             raise InvalidRequest(f"source: {exc}") from exc
     if "path" in source:
-        try:
-            return os.path.getsize(source["path"])
-        except OSError:
+        try:  # through the same checks as the read: never the size of a file the tenant may not read
+            fd, st = open_file(source["path"], file_access(settings, tenant))
+            os.close(fd)
+            return st.st_size
+        except (chunker.ChunkerError, OSError):
             return None
     return next((n for n in lengths if n >= 0), None) if source["type"] in FILE_TYPES else None
 
@@ -148,10 +200,19 @@ def _body_length(resp: requests.Response) -> int:
     return int(length)
 
 
-def open_source(source: dict[str, Any], inline_items: Any = None, **kwargs: Any) -> chunker.Source:
-    """Open a chunker source; inline items come from the ledger's list, not the spec."""
+def open_source(source: dict[str, Any], inline_items: Any = None, *, settings: Settings | None = None,
+                tenant: str | None = None, **kwargs: Any) -> chunker.Source:
+    """Open a chunker source; inline items come from the ledger's list, not the spec.
+
+    jsonl/csv paths read only what ``tenant`` may read under ``settings`` (file_access; without
+    settings, no path at all); URL reads time out after ``settings.source_read_timeout`` without a byte.
+    """
     if source["type"] == "inline":
         return chunker.open_source({"type": "inline", "items": []}, inline_items=inline_items, **kwargs)
+    if settings is not None:
+        kwargs.setdefault("timeout_s", settings.source_read_timeout.total_seconds())
+    if source["type"] in FILE_TYPES:
+        kwargs.setdefault("file_access", file_access(settings, tenant))
     return chunker.open_source(source, **kwargs)
 
 

@@ -305,7 +305,7 @@ class Ledger(ControlOps):
         """One batch at ``cursor``; a failure is counted against the first stage's retry policy."""
         inline = RedisListView(self.r, k.src) if spec.source["type"] == "inline" else None
         try:
-            source = open_source(spec.source, inline_items=inline)
+            source = open_source(spec.source, inline_items=inline, settings=self.settings, tenant=spec.tenant)
             return source.read_batch(cursor, max_items=spec.flow.batching.max_items,
                                      max_bytes=spec.flow.batching.max_bytes)
         except chunker.SourceReadError as exc:

@@ -61,6 +61,16 @@ class Settings(BaseSettings):
     outbound_allow: list[str] = Field(
         default_factory=list, description="hosts or CIDRs batchgate may call although not public")
     inline_max_bytes: int = Field(default=256 * 1024, description="bigger items go by reference")
+    source_roots: dict[str, list[str]] = Field(
+        default_factory=dict, description='directories jsonl/csv "path" sources may read, by tenant, '
+        '"*" for every tenant: {"*": ["/srv/shared"], "acme": ["/srv/acme"]} (a JSON list = shared); '
+        "unset or empty = file paths are off")
+    max_record_bytes: int = Field(
+        default=1024 * 1024, ge=1, description="cap on a jsonl line / csv record (a source's "
+        "max_record_bytes may ask for less, or more up to this)")
+    source_read_timeout: timedelta = Field(
+        default=timedelta(seconds=30), description="a URL source read fails (retryable) after this long "
+        "without a byte")
     callback_grace: timedelta = timedelta(hours=1)
     embedded_fsync: Literal["always", "everysec"] = Field(
         default="everysec", description="appendfsync of the embedded Redis")
@@ -68,7 +78,23 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8080
 
-    @field_validator("idempotency_ttl", "supervisor_interval", "callback_grace", mode="before")
+    @field_validator("source_roots", mode="before")
+    @classmethod
+    def _roots(cls, value: object) -> object:
+        """A plain list of roots is shared by every tenant; roots must be absolute paths."""
+        if isinstance(value, (list, tuple)):
+            value = {"*": list(value)}
+        if isinstance(value, dict):
+            for tenant, roots in value.items():
+                for root in roots if isinstance(roots, (list, tuple)) else [roots]:
+                    if not isinstance(root, (str, Path)) or not os.path.isabs(root):
+                        raise ValueError(f"source_roots[{tenant!r}]: {root!r} is not an absolute path")
+            value = {t: [str(r) for r in (rs if isinstance(rs, (list, tuple)) else [rs])]
+                     for t, rs in value.items()}
+        return value
+
+    @field_validator("idempotency_ttl", "supervisor_interval", "callback_grace", "source_read_timeout",
+                     mode="before")
     @classmethod
     def _seconds(cls, value: object) -> object:
         """Durations from the environment may be plain seconds ("0.2") or ISO 8601 ("PT24H")."""

@@ -31,7 +31,8 @@ def redis_client(redis_server):
 @pytest.fixture
 def settings(redis_server, tmp_path):
     return Settings(redis_url=redis_server.url, data_dir=tmp_path / "data",
-                    tokens={TOKEN: "acme", OTHER_TOKEN: "globex"})
+                    tokens={TOKEN: "acme", OTHER_TOKEN: "globex"},
+                    source_roots={"*": [str(tmp_path)]})  # file sources under tmp_path (not data/)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from gateway.api.common import json_body
 from gateway.app import request_services
 from gateway.dispatch import target_urls
 from gateway.flows import check_secrets, parse_flow
+from gateway.jobspec import check_source_access
 from gateway.urlguard import Allowlist, check_url
 
 bp = Blueprint("flows", __name__, url_prefix="/v1/flows")
@@ -23,6 +24,7 @@ def register():
     for stage in flow.stages:
         for url in target_urls(stage.target or {}):
             check_url(url, allow)
+    check_source_access(flow.source, services.settings, g.tenant)  # a default path the tenant may read
     check_secrets(flow, g.tenant, services.settings.secret_names(g.tenant))  # 422: not this tenant's
     record, created = services.flows.register(g.tenant, flow)
     return jsonify(record), 201 if created else 200
