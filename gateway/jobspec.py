@@ -16,6 +16,7 @@ import chunker
 from chunker.localfiles import check_path, open_file
 from gateway.errors import InvalidRequest, SourceUnavailable
 from gateway.flows import FlowSpec
+from gateway.outbound import session_for
 from gateway.records import dumps, loads_or_none
 from gateway.settings import Settings
 
@@ -165,7 +166,7 @@ def probe_source(source: dict[str, Any], flow: FlowSpec, settings: Settings | No
     def record_length(resp: requests.Response, *args: Any, **kwargs: Any) -> None:
         lengths.append(_body_length(resp))
 
-    with requests.Session() as session:
+    with session_for(settings) as session:  # the outbound guard, as every later read (open_source)
         if source["type"] in FILE_TYPES:
             session.hooks["response"].append(record_length)
         try:
@@ -206,6 +207,8 @@ def open_source(source: dict[str, Any], inline_items: Any = None, *, settings: S
 
     jsonl/csv paths read only what ``tenant`` may read under ``settings`` (file_access; without
     settings, no path at all); URL reads time out after ``settings.source_read_timeout`` without a byte.
+    URL sources read through a guarded session (gateway.outbound): public addresses only unless
+    ``settings.outbound_allow`` admits them (without settings: none), every redirect hop checked.
     """
     if source["type"] == "inline":
         return chunker.open_source({"type": "inline", "items": []}, inline_items=inline_items, **kwargs)
@@ -213,6 +216,8 @@ def open_source(source: dict[str, Any], inline_items: Any = None, *, settings: S
         kwargs.setdefault("timeout_s", settings.source_read_timeout.total_seconds())
     if source["type"] in FILE_TYPES:
         kwargs.setdefault("file_access", file_access(settings, tenant))
+    if source.get("url") and kwargs.get("session") is None:  # every URL read passes the outbound guard
+        kwargs["session"] = session_for(settings)
     return chunker.open_source(source, **kwargs)
 
 
