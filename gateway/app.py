@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
+import traceback
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 from flask import Flask, Response, current_app, g, jsonify, request
+from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
-from gateway.errors import BatchgateError, RetryableError, Unauthorized
+from gateway.errors import BatchgateError, BodyTooLarge, RetryableError, Unauthorized, UnsupportedMediaType
 from gateway.flows import FlowRegistry
 from gateway.idempotency import IdempotencyStore
 from gateway.jobs import JobService
 from gateway.ledger import Ledger
-from gateway.security import redact_path
 from gateway.settings import Settings
+from gateway.validation import is_json_mimetype
 
 log = logging.getLogger(__name__)
 PROBLEM = "application/problem+json"
 SIGNED_URL_PATHS = ("/v1/callbacks/", "/v1/blobs/")  # authenticated by their signed token
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
 @dataclass
@@ -50,6 +55,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     ledger.check_digest_agreement()
     registry = FlowRegistry(client, ledger.keys)
     app = Flask("batchgate")
+    app.json = StrictJSONProvider(app)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["batchgate"] = Services(
         settings=settings, redis=client, ledger=ledger, flows=registry,
@@ -59,8 +65,64 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp):
         app.register_blueprint(bp)
     app.before_request(_authenticate)
+    app.before_request(_json_bodies_only)
+    app.after_request(_no_content_no_type)
     _register_errors(app)
     return app
+
+
+class StrictJSONProvider(DefaultJSONProvider):
+    """Responses are strict JSON: a non-finite float (only from data stored before input refused
+    them, or a platform's answer) goes out as null, never as the invalid token NaN or Infinity."""
+
+    def dumps(self, obj: Any, **kwargs: Any) -> str:
+        kwargs["allow_nan"] = False
+        try:
+            return super().dumps(obj, **kwargs)
+        except ValueError:
+            return super().dumps(_finite(obj), **kwargs)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _json_bodies_only() -> None:
+    """415 for any body that is not JSON, on every route (json_body checks again where it reads)."""
+    if request.method not in BODY_METHODS or request.routing_exception is not None:
+        return
+    if request.content_length or "chunked" in request.headers.get("Transfer-Encoding", "").lower():
+        require_json_type()
+
+
+def require_json_type() -> None:
+    """415 unless the request's Content-Type is application/json or application/*+json."""
+    if not is_json_mimetype(request.mimetype):
+        shown = (request.mimetype or "none")[:100]
+        raise UnsupportedMediaType(f"the body must be application/json (Content-Type: {shown})")
+
+
+def _no_content_no_type(resp: Response) -> Response:
+    """A 204 (or 304) has no body, so it carries neither Content-Type nor Content-Length."""
+    if resp.status_code in (204, 304):
+        resp.set_data(b"")
+        resp.headers.pop("Content-Type", None)
+        resp.headers.pop("Content-Length", None)
+    return resp
+
+
+def redact_path(path: str) -> str:
+    """``path`` fit for a log line: a signed URL's token (a bearer credential) replaced."""
+    for prefix in SIGNED_URL_PATHS:
+        if path.startswith(prefix):
+            return prefix + "[redacted]"
+    return path
 
 
 def _authenticate() -> None:
@@ -108,7 +170,15 @@ def _register_errors(app: Flask) -> None:
 
     @app.errorhandler(HTTPException)
     def _http(exc: HTTPException):
-        return problem(exc.code or 500, exc.name, exc.description or exc.name)
+        """Routing and werkzeug errors (404, 405, 413, ...) as problems, keeping headers such as Allow."""
+        if exc.code == 413:
+            limit = request_services().settings.max_body_bytes
+            return _batchgate(BodyTooLarge(f"the body exceeds the {limit}-byte limit"))
+        resp = problem(exc.code or 500, exc.name, exc.description or exc.name)
+        for name, value in exc.get_headers():
+            if name.lower() not in ("content-type", "content-length"):
+                resp.headers[name] = value
+        return resp
 
     @app.errorhandler(redis.ConnectionError)
     def _redis_down(exc: Exception):
@@ -119,5 +189,15 @@ def _register_errors(app: Flask) -> None:
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, redact_path(request.path))
-        return problem(500, "Internal error", "an unexpected error occurred; it has been logged")
+        """500 with an opaque id to quote; the log line has the id, never a signed URL's token."""
+        error_id = uuid.uuid4().hex
+        path = redact_path(request.path)
+        trace = "".join(traceback.format_exception(exc))
+        token = request.path.split("/", 3)[-1] if path != request.path else ""
+        if token:
+            trace = trace.replace(token, "[redacted]")
+        log.error("unhandled %s on %s %s (error %s)\n%s", type(exc).__name__, request.method, path,
+                  error_id, trace.rstrip())
+        return problem(500, "Internal error",
+                       f"an unexpected error occurred; it has been logged as error {error_id}",
+                       instance=f"urn:batchgate:error:{error_id}", error_id=error_id)

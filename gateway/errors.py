@@ -66,6 +66,14 @@ class MalformedBody(FatalError):
     type_slug = "malformed-body"
 
 
+class UnsupportedMediaType(FatalError):
+    """A body that is not ``application/json`` (or ``application/*+json``)."""
+
+    status = 415
+    title = "Unsupported media type"
+    type_slug = "unsupported-media-type"
+
+
 class BodyTooLarge(FatalError):
     """The body exceeds the configured size limit."""
 

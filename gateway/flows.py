@@ -19,6 +19,7 @@ from gateway.records import dumps
 from gateway.validation import parse
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+ZERO, ONE_DAY = timedelta(0), timedelta(days=1)  # durations are positive and bounded
 
 
 class FlowRetired(FlowConflict):
@@ -55,9 +56,9 @@ class RetryPolicy(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    initial_interval: timedelta = timedelta(seconds=1)
+    initial_interval: timedelta = Field(default=timedelta(seconds=1), gt=ZERO, le=ONE_DAY)
     backoff_coefficient: float = Field(default=2.0, ge=1.0, le=10.0)
-    maximum_interval: timedelta = timedelta(seconds=60)
+    maximum_interval: timedelta = Field(default=timedelta(seconds=60), gt=ZERO, le=ONE_DAY)
     maximum_attempts: int = Field(default=3, ge=1, le=100)
     non_retryable_error_types: list[str] = Field(default_factory=list)
 
@@ -75,8 +76,9 @@ class Stage(BaseModel):
         default=None, description="push mode: the platform workflow batchgate triggers (connectors/)")
     idempotent: bool = Field(
         default=False, description="safe to re-run after a failure that may have had effects")
-    timeout: timedelta = Field(default=timedelta(seconds=30), description="per outbound call")
-    poll_interval: timedelta = Field(default=timedelta(seconds=2))
+    timeout: timedelta = Field(default=timedelta(seconds=30), gt=ZERO, le=ONE_DAY,
+                               description="per outbound call")
+    poll_interval: timedelta = Field(default=timedelta(seconds=2), gt=ZERO, le=ONE_DAY)
 
     @field_validator("target")
     @classmethod
@@ -115,7 +117,7 @@ class FlowSpec(BaseModel):
     stages: list[Stage] = Field(min_length=1, max_length=16)
     concurrency: int = Field(default=4, ge=1, le=1000)
     tolerated_failure_percentage: float = Field(default=0.0, ge=0.0, le=100.0)
-    retention: timedelta = timedelta(days=7)
+    retention: timedelta = Field(default=timedelta(days=7), gt=ZERO, le=timedelta(days=3650))
 
     @model_validator(mode="after")
     def _check(self) -> FlowSpec:

@@ -401,7 +401,8 @@ def _bad_requests(job_id, tok):
         ("POST", "/v1/jobs", {"data": '"flow"', **raw}, 400),
         ("POST", "/v1/jobs", {"data": "", **raw}, 400),
         ("POST", "/v1/jobs", {"data": b"\xff\xfe{", **raw}, 400),
-        ("POST", "/v1/jobs", {"data": "{bad", "headers": {"Idempotency-Key": "k1"}}, 400),
+        ("POST", "/v1/jobs", {"data": "{bad", "headers": {"Idempotency-Key": "k1", **raw["headers"]}}, 400),
+        ("POST", "/v1/jobs", {"data": '{"flow_id": "f"}'}, 415),  # no Content-Type
         ("POST", "/v1/jobs", {"json": {"flow_id": 5}}, 422),
         ("POST", "/v1/jobs", {"json": {"flow_id": "f", "params": [1]}}, 422),
         ("POST", "/v1/jobs", {"json": {"flow_id": "f", "extra": 1}}, 422),

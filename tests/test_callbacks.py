@@ -82,7 +82,9 @@ def test_forged_expired_and_malformed_callbacks(api_push, redis_client):
     resp = api.session.post(f"{api.base}/v1/callbacks/{expired}", json=ok)
     assert resp.status_code == 410 and resp.headers["Content-Type"] == "application/problem+json"
     assert api.session.post(url, json={"status": "maybe"}).status_code == 422
-    assert api.session.post(url, data="{nope").status_code == 400
+    as_json = {"Content-Type": "application/json"}
+    assert api.session.post(url, data="{nope", headers=as_json).status_code == 400
+    assert api.session.post(url, data='{"status": "succeeded"}').status_code == 415  # no JSON type
     assert api.get(f"/v1/jobs/{job_id}/batches/0").json()["status"] == "leased"  # nothing changed
 
 

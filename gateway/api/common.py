@@ -3,28 +3,30 @@
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from typing import Any
 
 from flask import g, jsonify, request
 
-from gateway.app import request_services
+from gateway.app import request_services, require_json_type
 from gateway.errors import BatchgateError, InvalidRequest, MalformedBody
 from gateway.idempotency import fingerprint
+from gateway.validation import strict_loads
 
 
 def json_body(required: bool = True) -> dict[str, Any]:
-    """The request body as a JSON object; {} for an empty optional body."""
+    """The request body as a JSON object, decoded strictly (``validation.strict_loads``).
+
+    {} for an empty optional body; 415 for a body that is not ``application/json``; 400 for one that
+    is not strict JSON or not an object.
+    """
     raw = request.get_data(cache=True)
     if not raw.strip():
         if required:
             raise MalformedBody("a JSON object body is required")
         return {}
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MalformedBody(f"body is not valid JSON: {exc}") from None
+    require_json_type()
+    body = strict_loads(raw)
     if not isinstance(body, dict):
         raise MalformedBody("body must be a JSON object")
     return body

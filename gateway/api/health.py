@@ -20,3 +20,11 @@ def healthz():
     if instance:
         body["instance"] = instance
     return jsonify(body)
+
+
+@bp.get("/openapi.json")
+def openapi_document():
+    """The OpenAPI 3.1 document of the whole API (no auth: it holds no secrets)."""
+    from gateway.openapi import document
+
+    return jsonify(document())

@@ -1,0 +1,359 @@
+"""The OpenAPI 3.1 document of the whole API, built from the pydantic models that validate requests.
+
+Request bodies are those models' JSON Schemas, so the document cannot drift from validation; the route
+table below names every route (tests/test_openapi.py checks it against the app's URL map), and the
+response schemas are deliberately modest: the key properties of each view, all of them true.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic.json_schema import GenerateJsonSchema, models_json_schema
+
+from gateway.api.jobs import CancelRequest
+from gateway.api.pull import CompleteRequest, FailRequest, HeartbeatRequest, LeaseRequest
+from gateway.flows import FlowSpec
+from gateway.jobs import BATCH_STATUSES, STATUSES, JobRequest, ResumeRequest
+from gateway.validation import MAX_DEPTH
+
+REF = "#/components/schemas/{model}"
+
+
+class CallbackError(BaseModel):
+    """``error`` of a failed answer."""
+
+    message: str | None = Field(default=None, description="what went wrong (cut at 2000 characters)")
+    retryable: StrictBool = True
+
+
+class CallbackAnswer(BaseModel):
+    """A platform's answer to a pushed stage (``connectors.base.Answer.parse`` validates it; other
+    fields are ignored). Documentation only: tests/test_openapi.py checks Answer.parse agrees."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
+        {"status": "succeeded", "output": {"scored": 3}},
+        {"status": "failed", "error": {"message": "model quota exceeded", "retryable": True}}]})
+
+    status: str = Field(json_schema_extra={"enum": ["succeeded", "failed"]})
+    output: Any = None
+    next_cursor: Any = Field(default=None, description="fetching first stage: the next batch's start")
+    error: CallbackError | None = None
+
+
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    FlowSpec, JobRequest, ResumeRequest, CancelRequest, LeaseRequest, HeartbeatRequest,
+    CompleteRequest, FailRequest, CallbackAnswer)
+
+EXAMPLES: dict[str, Any] = {
+    "FlowSpec": {"id": "resume-screening", "version": "1", "source": {"type": "sequence", "count": 10},
+                 "batching": {"max_items": 5}, "stages": [{"name": "score", "lease": 60}]},
+    "JobRequest": {"flow_id": "resume-screening", "params": {"threshold": 0.7}},
+    "ResumeRequest": {"cursor": {"offset": 0}, "reason": "re-run after fixing the prompt"},
+    "CancelRequest": {"reason": "wrong input file"},
+    "LeaseRequest": {"stage": "score"},
+    "HeartbeatRequest": {"lease_token": "lt_9f3b2c", "progress": {"done": 2}, "extend_s": 30},
+    "CompleteRequest": {"lease_token": "lt_9f3b2c", "output": {"scored": 5}},
+    "FailRequest": {"lease_token": "lt_9f3b2c", "error": {"message": "model quota exceeded",
+                                                          "retryable": True}},
+}
+
+
+class _Schemas(GenerateJsonSchema):
+    """Durations as the API takes them: seconds (number, with the model's bounds) or ISO 8601."""
+
+    def timedelta_schema(self, schema: Any) -> dict[str, Any]:
+        seconds: dict[str, Any] = {"type": "number"}
+        for bound, keyword in (("gt", "exclusiveMinimum"), ("ge", "minimum"),
+                               ("lt", "exclusiveMaximum"), ("le", "maximum")):
+            if schema.get(bound) is not None:
+                seconds[keyword] = schema[bound].total_seconds()
+        return {"anyOf": [seconds, {"type": "string", "format": "duration"}],
+                "description": "seconds, or an ISO 8601 duration such as PT30S"}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+INT, NUM, STR, BOOL, OBJ = ({"type": "integer"}, {"type": "number"}, {"type": "string"},
+                            {"type": "boolean"}, {"type": "object"})
+
+
+def _obj(required: list[str], **props: Any) -> dict[str, Any]:
+    return {"type": "object", "required": required, "properties": props}
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": REF.format(model=name)}
+
+
+VIEW_SCHEMAS: dict[str, Any] = {
+    "Problem": {
+        "type": "object", "description": "RFC 9457 problem details",
+        "required": ["type", "title", "status", "detail"],
+        "properties": {
+            "type": STR, "title": STR, "status": {"type": "integer", "minimum": 400, "maximum": 599},
+            "detail": STR,
+            "instance": {**STR, "description": "500 only: urn:batchgate:error:<error_id>"},
+            "error_id": {**STR, "description": "500 only: quote it to find the server's log line"},
+            "errors": {"type": "array", "description": "422: each invalid field (values never echoed)",
+                       "items": _obj(["field", "message"], field=STR, message=STR)}}},
+    "Health": _obj(["status"], status={"const": "ok"}, instance=STR),
+    "FlowRecord": _obj(["flow", "hash", "content_hash", "created_ms"],
+                       flow=_obj(["id", "version", "stages"], id=STR, version=STR,
+                                 stages={"type": "array", "items": OBJ}),
+                       hash=STR, content_hash=STR, created_ms=INT),
+    "FlowList": _obj(["flows"], flows={"type": "array", "items": _ref("FlowRecord")}),
+    "FlowLatest": {"allOf": [_ref("FlowRecord"),
+                             _obj(["versions"], versions={"type": "array", "items": STR})]},
+    "JobView": _obj(
+        ["job_id", "status", "flow", "stages", "batches", "items_done", "created_ms", "updated_ms"],
+        job_id=STR, status={"enum": list(STATUSES)}, corrupt=BOOL,
+        flow=_obj(["id", "version", "hash"], id=STR, version=STR, hash=STR),
+        params=OBJ, stages={"type": "array", "items": STR}, push_stages={"type": "array", "items": STR},
+        committed_cursor={"description": "any JSON: where the next uncommitted batch starts"},
+        committed_seq=INT,
+        batches=_obj(["planned", "completed", "failed", "open", "leased"], planned=INT, completed=INT,
+                     failed=INT, open=INT, leased=INT),
+        items_done=INT, items_total=_nullable(INT), progress=_nullable(NUM),
+        rate_items_per_s=NUM, eta_s=_nullable(NUM), source_exhausted=BOOL,
+        error=_nullable(STR), held_reason=_nullable(STR), source_error=_nullable(STR),
+        bytes_done=_nullable(INT), bytes_total=_nullable(INT),
+        created_ms=INT, updated_ms=INT, finished_ms=_nullable(INT)),
+    "JobList": _obj(["jobs"], jobs={"type": "array", "items": _ref("JobView")}),
+    "BatchView": _obj(["seq", "stage", "attempt", "items"],
+                      seq=INT, status=_nullable(STR), stage=_nullable(STR), attempt=INT,
+                      items=INT, error=_nullable(STR), stages=OBJ,
+                      lease_deadline_ms=_nullable(INT)),
+    "BatchList": _obj(["batches"], batches={"type": "array", "items": _ref("BatchView")}),
+    "LogEntries": _obj(["entries"], entries={"type": "array",
+                                             "items": _obj(["id"], id=STR, event=STR)}),
+    "LeaseEnvelope": _obj(
+        ["job_id", "seq", "stage", "stage_index", "attempt", "idempotency_key", "lease_token",
+         "lease_deadline"],
+        job_id=STR, seq=INT, stage=STR, stage_index=INT, attempt=INT, idempotency_key=STR,
+        cursor={}, end_cursor={}, items=_nullable({"type": "array"}), input={}, params=OBJ,
+        lease_token=STR, lease_deadline={**STR, "format": "date-time"}),
+    "HeartbeatResult": _obj(["job_id", "seq", "lease_deadline", "job_status"], job_id=STR, seq=INT,
+                            lease_deadline={**STR, "format": "date-time"}, job_status=STR),
+    "CompleteResult": _obj(["job_id", "seq", "stage", "attempt", "status", "duplicate"],
+                           job_id=STR, seq=INT, stage=STR, attempt=INT, status=STR, duplicate=BOOL),
+    "FailResult": _obj(["job_id", "seq", "attempt", "outcome"], job_id=STR, seq=INT, attempt=INT,
+                       outcome=STR),
+    "CallbackResult": OBJ,
+    "Items": {"type": "array", "description": "the batch's items"},
+}
+
+PROBLEM_TEXT = {
+    400: f"malformed body: not JSON, not an object, nested deeper than {MAX_DEPTH} levels, NaN/Infinity, "
+         "a number out of range, a duplicate key or a lone surrogate",
+    401: "no valid bearer token (signed URLs: forged token)",
+    404: "no such resource for this tenant",
+    409: "the resource's state does not allow it (stale lease, cancelled job, conflict)",
+    410: "the signed URL has expired",
+    413: "the body exceeds BATCHGATE_MAX_BODY_BYTES",
+    415: "a body that is not application/json",
+    422: "the request failed validation (errors names each field)",
+    500: "unexpected error; error_id identifies the log line",
+    503: "the ledger or a source is unavailable; see Retry-After",
+}
+AUTH = (401,)
+BODY = (400, 413, 415, 422)
+SERVER = (500, 503)
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    summary: str
+    ok: dict[int, tuple[str, str | None]]  # status -> (description, schema name or None)
+    problems: tuple[int, ...] = ()
+    body: type[BaseModel] | None = None
+    body_required: bool = True
+    params: tuple[dict[str, Any], ...] = ()
+    public: bool = False  # no bearer token (health, the document, signed URLs)
+    tags: tuple[str, ...] = field(default=())
+
+
+def _path_param(name: str, schema: dict[str, Any], example: Any, description: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": schema, "example": example,
+            "description": description}
+
+
+def _query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+
+JOB = _path_param("job_id", {"type": "string", "maxLength": 64}, "job_0190c0ffee01a2b3c4d5e6",
+                  "a job id (job_...)")
+FLOW = _path_param("flow_id", {"type": "string"}, "resume-screening", "a flow id")
+VERSION = _path_param("version", {"type": "string"}, "1", "a flow version")
+SEQ = _path_param("seq", {"type": "integer", "minimum": 0, "maximum": 2**53}, 0, "a batch's sequence")
+TOKEN = _path_param("token", {"type": "string"}, "eyJqIjoiam9iXzAxIn0.c2ln", "the signed token")
+LIMIT = _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}, "at most this many")
+AFTER_ID = _query("after", {"type": "string"}, "a log entry id (1700000000000-0): entries after it")
+LOG_LIMIT = _query("limit", {"type": "integer", "minimum": 1, "maximum": 10_000}, "at most this many")
+IDEMPOTENCY_KEY = {"name": "Idempotency-Key", "in": "header", "required": False,
+                   "schema": {"type": "string", "maxLength": 200},
+                   "description": "replays the first answer to the same key and body for 24 h"}
+CONTROL = (404, 409, 413, 415)  # POSTs without a body model still refuse a non-JSON body
+
+ROUTES: tuple[Route, ...] = (
+    Route("get", "/healthz", "Liveness and readiness", {200: ("Redis answers", "Health")},
+          public=True, tags=("health",)),
+    Route("get", "/openapi.json", "This document", {200: ("the OpenAPI 3.1 document", None)},
+          public=True, tags=("health",)),
+    Route("post", "/v1/flows", "Register a flow version",
+          {201: ("registered", "FlowRecord"), 200: ("already registered, identical", "FlowRecord")},
+          (*BODY, 409), body=FlowSpec, tags=("flows",)),
+    Route("get", "/v1/flows", "Every version of every flow", {200: ("flows", "FlowList")},
+          tags=("flows",)),
+    Route("get", "/v1/flows/{flow_id}", "The latest version, and every version's name",
+          {200: ("the latest version", "FlowLatest")}, (404,), params=(FLOW,), tags=("flows",)),
+    Route("get", "/v1/flows/{flow_id}/versions/{version}", "One version",
+          {200: ("the version", "FlowRecord")}, (404,), params=(FLOW, VERSION), tags=("flows",)),
+    Route("delete", "/v1/flows/{flow_id}/versions/{version}", "Retire a version",
+          {204: ("retired", None)}, (404,), params=(FLOW, VERSION), tags=("flows",)),
+    Route("post", "/v1/jobs", "Create a job", {201: ("created", "JobView")}, (*BODY, 404, 409),
+          body=JobRequest, params=(IDEMPOTENCY_KEY,), tags=("jobs",)),
+    Route("get", "/v1/jobs", "Jobs, newest first", {200: ("jobs", "JobList")}, (422,),
+          params=(_query("status", {"enum": list(STATUSES)}, "only jobs in this status"), LIMIT),
+          tags=("jobs",)),
+    Route("get", "/v1/jobs/{job_id}", "A job's status, cursor, counts and progress",
+          {200: ("the job", "JobView")}, (404, 409), params=(JOB,), tags=("jobs",)),
+    Route("get", "/v1/jobs/{job_id}/batches", "Batch summaries in seq order",
+          {200: ("batches", "BatchList")}, (404, 409, 422),
+          params=(JOB, _query("status", {"enum": list(BATCH_STATUSES)}, "only batches in this status"),
+                  _query("after", {"type": "integer", "minimum": -1, "maximum": 2**53},
+                         "batches after this seq"), LIMIT), tags=("jobs",)),
+    Route("get", "/v1/jobs/{job_id}/batches/{seq}", "One batch in full",
+          {200: ("the batch", "BatchView")}, (404, 409), params=(JOB, SEQ), tags=("jobs",)),
+    Route("get", "/v1/jobs/{job_id}/log", "Execution log, oldest first",
+          {200: ("entries", "LogEntries")}, (404, 409, 422), params=(JOB, AFTER_ID, LOG_LIMIT),
+          tags=("jobs",)),
+    Route("get", "/v1/jobs/{job_id}/audit", "Control events, oldest first",
+          {200: ("entries", "LogEntries")}, (404, 409, 422), params=(JOB, AFTER_ID, LOG_LIMIT),
+          tags=("jobs",)),
+    Route("post", "/v1/jobs/{job_id}/pause", "Stop handing out batches", {200: ("the job", "JobView")},
+          CONTROL, params=(JOB,), tags=("control",)),
+    Route("post", "/v1/jobs/{job_id}/release", "Let a held job run again",
+          {200: ("the job", "JobView")}, CONTROL, params=(JOB,), tags=("control",)),
+    Route("post", "/v1/jobs/{job_id}/cancel", "Cancel for good", {200: ("the job", "JobView")},
+          (*BODY, 404, 409), body=CancelRequest, body_required=False, params=(JOB,), tags=("control",)),
+    Route("post", "/v1/jobs/{job_id}/resume", "Resume, re-open, or re-plan from a cursor",
+          {200: ("the job", "JobView")}, (*BODY, 404, 409), body=ResumeRequest, body_required=False,
+          params=(JOB,), tags=("control",)),
+    Route("post", "/v1/jobs/{job_id}/retry-failed", "Re-open failed batches",
+          {200: ("the job", "JobView")}, CONTROL, params=(JOB,), tags=("control",)),
+    Route("post", "/v1/jobs/{job_id}/lease", "Lease the next ready batch (pull mode)",
+          {200: ("a batch", "LeaseEnvelope"),
+           204: ("nothing ready; Batchgate-Job-Status says whether to wait or stop", None)},
+          (*BODY, 404, 409), body=LeaseRequest, body_required=False, params=(JOB,), tags=("pull",)),
+    Route("post", "/v1/jobs/{job_id}/batches/{seq}/heartbeat", "Extend a lease, report progress",
+          {200: ("the new deadline", "HeartbeatResult")}, (*BODY, 404, 409), body=HeartbeatRequest,
+          params=(JOB, SEQ), tags=("pull",)),
+    Route("post", "/v1/jobs/{job_id}/batches/{seq}/complete", "Commit a stage's output",
+          {200: ("committed (or the first answer again)", "CompleteResult")}, (*BODY, 404, 409),
+          body=CompleteRequest, params=(JOB, SEQ), tags=("pull",)),
+    Route("post", "/v1/jobs/{job_id}/batches/{seq}/fail", "Report a failed attempt",
+          {200: ("retry scheduled, or failed for good", "FailResult")}, (*BODY, 404, 409),
+          body=FailRequest, params=(JOB, SEQ), tags=("pull",)),
+    Route("post", "/v1/callbacks/{token}", "A platform's answer to a pushed stage (signed URL)",
+          {200: ("committed (or the first answer again)", "CallbackResult")},
+          (*BODY, 401, 404, 409, 410), body=CallbackAnswer, params=(TOKEN,), public=True,
+          tags=("push",)),
+    Route("get", "/v1/blobs/{token}", "A batch's items (signed URL)", {200: ("the items", "Items")},
+          (401, 404, 410), params=(TOKEN,), public=True, tags=("push",)),
+)
+
+
+def _problem_response(status: int) -> dict[str, Any]:
+    resp: dict[str, Any] = {"description": PROBLEM_TEXT[status],
+                            "content": {"application/problem+json": {"schema": _ref("Problem")}}}
+    if status == 503:
+        resp["headers"] = {"Retry-After": {"schema": {"type": "integer"},
+                                           "description": "seconds to wait"}}
+    if status == 401:
+        resp["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
+    return resp
+
+
+def _operation(route: Route) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": route.summary, "tags": list(route.tags),
+                          "operationId": f"{route.method}_{route.path.strip('/')}".replace("/", "_")
+                          .replace("{", "").replace("}", "").replace(".", "_").replace("-", "_")}
+    if route.params:
+        op["parameters"] = [copy.deepcopy(p) for p in route.params]
+    if route.body is not None:
+        name = route.body.__name__
+        media: dict[str, Any] = {"schema": _ref(name)}
+        if name in EXAMPLES:
+            media["example"] = EXAMPLES[name]
+        op["requestBody"] = {"required": route.body_required, "content": {"application/json": media}}
+    if route.public:
+        op["security"] = []
+    responses: dict[str, Any] = {}
+    for status, (description, schema) in route.ok.items():
+        resp: dict[str, Any] = {"description": description}
+        if schema is not None:
+            resp["content"] = {"application/json": {"schema": _ref(schema)}}
+        elif route.path == "/openapi.json":
+            resp["content"] = {"application/json": {"schema": OBJ}}
+        if status == 204 and route.path.endswith("/lease"):
+            resp["headers"] = {"Batchgate-Job-Status": {
+                "schema": {"enum": list(STATUSES)}, "description": "the job's status: wait or stop"}}
+        responses[str(status)] = resp
+    statuses = set(route.problems) | set(SERVER if route.path != "/openapi.json" else (500,))
+    if not route.public:
+        statuses |= set(AUTH)
+    for status in sorted(statuses):
+        responses[str(status)] = _problem_response(status)
+    op["responses"] = responses
+    return op
+
+
+def request_schemas() -> dict[str, Any]:
+    """JSON Schemas of every request model (and what they reference), as OpenAPI components."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # defaults that are sentinels (ABSENT) are left out
+        _, top = models_json_schema([(m, "validation") for m in REQUEST_MODELS], ref_template=REF,
+                                    schema_generator=_Schemas)
+    return top.get("$defs", {})
+
+
+@functools.cache
+def document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document (built once per process)."""
+    paths: dict[str, dict[str, Any]] = {}
+    for route in ROUTES:
+        paths.setdefault(route.path, {})[route.method] = _operation(route)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "batchgate",
+            "version": "1",
+            "description": (
+                "External checkpoint-and-resume state service for long batch jobs. Bodies are strict "
+                f"JSON (application/json, at most {MAX_DEPTH} levels deep, no NaN or Infinity, numbers "
+                "in range, no duplicate keys, valid Unicode); every error is application/problem+json "
+                "(RFC 9457)."),
+            "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
+        },
+        "servers": [{"url": "/"}],
+        "security": [{"bearerAuth": []}],
+        "tags": [{"name": t} for t in ("health", "flows", "jobs", "control", "pull", "push")],
+        "paths": paths,
+        "components": {
+            "securitySchemes": {"bearerAuth": {
+                "type": "http", "scheme": "bearer",
+                "description": "a token from BATCHGATE_TOKENS (or `batchgate up`'s dev token)"}},
+            "schemas": {**request_schemas(), **VIEW_SCHEMAS},
+        },
+    }
