@@ -7,13 +7,8 @@
 -- step, so a cancel (which voids leases) either came before and no call starts, or came after the
 -- call had begun. The lease clock restarts now: time spent queued for a worker does not count. A job
 -- that is paused, held or failed releases the lease back to the ready set without spending an attempt.
-local batch = load(KEYS[2])
-if batch == false then return {'corrupt'} end
-if batch == nil then return {'missing'} end
-if batch['status'] ~= 'leased' or batch['lease_token'] ~= ARGV[1] then
-  if redis.call('HGET', KEYS[1], 'status') == 'cancelled' then return {'cancelled'} end
-  return {'stale', batch['status'], batch['attempt']}
-end
+local batch, refused = leased_batch(KEYS[2], KEYS[1], ARGV[1])
+if refused then return refused end
 local status = redis.call('HGET', KEYS[1], 'status') or 'missing'
 local now = now_ms()
 local seq = batch['seq']

@@ -9,16 +9,13 @@
 --       | {'corrupt'} | {'missing'}
 -- Invariant: only the current lease holder can fail an attempt; a batch out of attempts or with a fatal
 -- error fails for good and the failure budget decides the job.
-local batch = load(KEYS[2])
-if batch == false then return {'corrupt'} end
-if batch == nil then return {'missing'} end
-if batch['status'] ~= 'leased' or batch['lease_token'] ~= ARGV[1] then
-  if redis.call('HGET', KEYS[1], 'status') == 'cancelled' then
+local batch, refused = leased_batch(KEYS[2], KEYS[1], ARGV[1])
+if refused then
+  if refused[1] == 'cancelled' then
     log(KEYS[5], ARGV[9], {'event', 'late_answer', 'seq', batch['seq'], 'answer', 'failed',
       'actor', ARGV[12], 'error', 'job cancelled'})
-    return {'cancelled'}
   end
-  return {'stale', batch['status'], batch['attempt']}
+  return refused
 end
 local job = load(KEYS[1])
 if job == false then return {'corrupt'} end

@@ -4,13 +4,8 @@
 -- Returns {'ok', deadline_ms, job status} | {'stale', status, attempt} | {'cancelled'} | {'corrupt'}
 --       | {'missing'}
 -- Invariant: only the current holder (matching token) can extend; the deadline only moves forward.
-local batch = load(KEYS[2])
-if batch == false then return {'corrupt'} end
-if batch == nil then return {'missing'} end
-if batch['status'] ~= 'leased' or batch['lease_token'] ~= ARGV[1] then
-  if redis.call('HGET', KEYS[1], 'status') == 'cancelled' then return {'cancelled'} end
-  return {'stale', batch['status'], batch['attempt']}
-end
+local batch, refused = leased_batch(KEYS[2], KEYS[1], ARGV[1])
+if refused then return refused end
 local deadline = now_ms() + tonumber(ARGV[2])
 if deadline < tonumber(batch['deadline_ms']) then deadline = tonumber(batch['deadline_ms']) end
 local chg = {deadline_ms = int(deadline)}

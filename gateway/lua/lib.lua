@@ -35,6 +35,20 @@ local function load(key)
   return map
 end
 
+-- The batch record held under ``token``, or the reply for a caller whose lease is not current:
+-- {'corrupt'}, {'missing'}, {'cancelled'} (the job was cancelled: its leases are void) or
+-- {'stale', batch status, attempt}. Returns (batch, nil) or (nil, reply).
+local function leased_batch(batch_key, job_key, token)
+  local batch = load(batch_key)
+  if batch == false then return nil, {'corrupt'} end
+  if batch == nil then return nil, {'missing'} end
+  if batch['status'] ~= 'leased' or batch['lease_token'] ~= token then
+    if redis.call('HGET', job_key, 'status') == 'cancelled' then return batch, {'cancelled'} end
+    return batch, {'stale', batch['status'], batch['attempt']}
+  end
+  return batch, nil
+end
+
 -- Write changed fields and the new checksum in one HSET.
 local function save(key, map, changes)
   local args = {}
