@@ -29,7 +29,7 @@ for i = 4, #ARGV do
 end
 redis.call('DEL', KEYS[2])
 local now = now_ms()
-save(KEYS[1], job, {status = 'cancelled', updated_ms = int(now), finished_ms = int(now)})
+save(KEYS[1], job, {status = 'cancelled', updated_ms = int(now), finished_ms = int(now), held_reason = ''})
 log(KEYS[3], ARGV[1], {'event', 'job_cancelled', 'from', old, 'actor', ARGV[2], 'voided', int(voided)})
 audit(KEYS[4], {'event', 'job_cancelled', 'from', old, 'actor', ARGV[2], 'reason', ARGV[3],
   'voided', int(voided)})

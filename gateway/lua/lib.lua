@@ -135,6 +135,7 @@ local function finish_changes(job, changes, now, budget_total, tolerated_pct)
       changes['status'] = 'succeeded'
     end
     changes['finished_ms'] = int(now)
+    changes['held_reason'] = ''  -- a held job that ends is held no more
   end
 end
 
@@ -150,10 +151,12 @@ local function failed_for_good(job, jchg, seq, now, budget_total, tolerated_pct)
     jchg['status'] = 'failed'
     jchg['error'] = 'batch ' .. seq .. ' failed before its fetch stage gave the next cursor'
     jchg['finished_ms'] = int(now)
+    jchg['held_reason'] = ''
   elseif over_budget(merged, budget_total, tolerated_pct) then
     jchg['status'] = 'failed'
     jchg['error'] = 'failure budget exceeded at batch ' .. seq
     jchg['finished_ms'] = int(now)
+    jchg['held_reason'] = ''
   else
     finish_changes(job, jchg, now, budget_total, tolerated_pct)
   end

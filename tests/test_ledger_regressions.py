@@ -1,0 +1,74 @@
+"""Regressions found by the model-based test (tests/test_ledger_model.py), each as a short hand-written
+sequence against the real ledger."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.errors import Conflict
+from tests.conftest import drain
+
+
+def test_retry_failed_does_not_reopen_a_succeeded_job(ledger, jobs, make_job):
+    """A job that succeeded with a failed batch its budget tolerated is final: retry-failed is refused
+    like resume (a replan with a cursor is how part of it runs again), and changes nothing.
+
+    Found: reopen.lua re-opened the failed batch and put the succeeded job back to running."""
+    job_id = make_job(items=6, max_items=3, stages=("only",), tolerated_failure_percentage=50)
+    first = ledger.lease(job_id)
+    ledger.fail(job_id, first.seq, first.lease_token, "bad row", retryable=False)
+    drain(ledger, job_id)
+    view = jobs.view("acme", job_id)
+    assert (view["status"], view["batches"]["failed"]) == ("succeeded", 1)
+    k = ledger.keys.job(job_id)
+    before = (ledger.r.hgetall(k.job), ledger.r.hgetall(k.batch(0)), ledger.r.zrange(k.failed, 0, -1))
+
+    with pytest.raises(Conflict, match="succeeded"):
+        ledger.reopen(job_id, "tenant:acme", only_failed=True)
+
+    assert (ledger.r.hgetall(k.job), ledger.r.hgetall(k.batch(0)), ledger.r.zrange(k.failed, 0, -1)) == before
+    assert ledger.lease(job_id) is None
+
+
+def test_retry_failed_on_a_clean_succeeded_job_leaves_its_record_alone(ledger, make_job):
+    """With nothing failed, retry-failed on a succeeded job used to answer 'ok, 0' but still rewrite the
+    job record (updated_ms): a final job changed. It is refused now, and nothing is written."""
+    job_id = make_job(items=3, max_items=3, stages=("only",))
+    drain(ledger, job_id)
+    k = ledger.keys.job(job_id)
+    before = ledger.r.hgetall(k.job)
+    assert before["status"] == "succeeded"
+    with pytest.raises(Conflict):
+        ledger.reopen(job_id, "tenant:acme", only_failed=True)
+    assert ledger.r.hgetall(k.job) == before
+
+
+def test_cancelling_a_held_job_drops_its_held_reason(ledger, jobs, make_job):
+    """Found: a job held by record-mode recovery and then cancelled kept its held reason ("... release it
+    to go on"), which the view showed beside status cancelled; a release then answered 409."""
+    job_id = make_job(items=6, max_items=3)
+    ledger.hold(job_id, "supervisor (recovery: record)", "found running at start; release it to go on")
+    ledger.cancel(job_id, "tenant:acme")
+    view = jobs.view("acme", job_id)
+    assert (view["status"], view["held_reason"]) == ("cancelled", None)
+
+
+def test_a_held_job_that_ends_is_held_no_more(ledger, jobs, make_job):
+    """A worker still alive may commit while its job is held; when that commit is the job's last, the
+    job succeeds, and must not go on showing the held reason (found by the model-based test)."""
+    job_id = make_job(items=3, max_items=3, stages=("only",))
+    lease = ledger.lease(job_id)
+    ledger.hold(job_id, "supervisor (recovery: record)", "release it to go on")
+    ledger.complete(job_id, lease.seq, lease.lease_token, {})
+    view = jobs.view("acme", job_id)
+    assert (view["status"], view["held_reason"]) == ("succeeded", None)
+
+
+def test_a_held_job_failed_by_its_budget_is_held_no_more(ledger, jobs, make_job):
+    job_id = make_job(items=6, max_items=3, stages=("only",))
+    lease = ledger.lease(job_id)
+    ledger.hold(job_id, "supervisor (recovery: record)", "release it to go on")
+    ledger.fail(job_id, lease.seq, lease.lease_token, "bad row", retryable=False)
+    view = jobs.view("acme", job_id)
+    assert (view["status"], view["held_reason"]) == ("failed", None)
+    assert "budget" in view["error"]
