@@ -470,10 +470,13 @@ class Ledger(ControlOps):
     # -- retention -------------------------------------------------------------------------
 
     def _all_keys(self, job_id: str) -> list[str]:
+        """The job's keys that retention expires and a resume persists. Not the recovery claim and the
+        plan lock: they live by their own short TTL, which retention must not stretch and a resume must
+        not remove (a claim or lock that never expires would block recovery or planning for good)."""
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
         planned = int(self.job_fields(job_id)["next_seq"])
-        return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.audit, k.recover, k.plan_lock,
+        return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.audit,
                 *self._ready_keys(spec),
                 *[key for s in range(planned) for key in (k.batch(s), k.items(s))]]
 

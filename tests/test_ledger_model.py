@@ -170,22 +170,23 @@ class Model:
             self.frontier, self.frontier_json = end, cursor(end)
         return b
 
-    def expect_lease(self, scores: dict[int, dict[int, float]]) -> MBatch | None:
-        """Ledger.lease: the batch it should hand out (None: nothing); plans (and may finish) as it goes.
+    def expect_lease(self, scores: dict[int, dict[int, float]], stage: int | None = None) -> MBatch | None:
+        """Ledger.lease (of any stage, or of ``stage`` only): the batch it should hand out (None: nothing);
+        plans (and may finish) as it goes.
 
         ``scores``: stage -> seq -> ready score, read just before the call (every score is in the past).
         """
         if self.status != "running":
             return None
-        pending = [b for b in self.plan() if b.status == "pending"]
+        pending = [b for b in self.plan() if b.status == "pending" and stage in (None, b.stage)]
         if pending:
             if len(self.leased()) >= self.concurrency:
                 return None
             stage = max(b.stage for b in pending)
             cands = [b for b in pending if b.stage == stage]
             return min(cands, key=lambda b: (scores[stage][b.seq], str(b.seq)))
-        if self.exhausted or len(self.leased()) >= self.concurrency:
-            return None
+        if stage not in (None, 0) or self.exhausted or len(self.leased()) >= self.concurrency:
+            return None  # only a lease that may take the first stage plans a new batch
         return self.cut()
 
     def lease(self, b: MBatch, token: str) -> None:
@@ -275,8 +276,9 @@ class Model:
 # Each step draws one action, weighted by repetition: workers lease and answer most of the time; operators,
 # supervisors and the crash now and then. (One rule, so the weights hold in every example.)
 ACTIONS = (
-    ["lease"] * 4 + ["complete"] * 6 + ["work_through"] * 2 + ["fail"] * 3 + ["late_complete"] * 2
-    + ["late_fail"] + ["heartbeat"] * 2 + ["lease_runs_out"] * 2 + ["begin"]
+    ["lease"] * 3 + ["lease_stage"] + ["complete"] * 6 + ["work_through"] * 2
+    + ["fail"] * 3 + ["late_complete"] * 2 + ["late_fail"] + ["heartbeat"] * 2 + ["lease_runs_out"] * 2
+    + ["begin"]
     + ["pause", "resume", "resume", "retry_failed", "retry_failed", "replan", "replan", "cancel",
        "release", "release", "recover_auto", "recover_record", "supervisor_tick", "redis_crash_and_restart"]
 )
@@ -343,11 +345,11 @@ class LedgerMachine(RuleBasedStateMachine):
         pipe.execute()
         return {i: dict.fromkeys((int(m) for m in members), 0.0) for i, members in enumerate(found)}
 
-    def do_lease(self):
+    def do_lease(self, stage: int | None = None):
         m = self.model
         scores = self.all_ready_now()
-        expected = m.expect_lease(scores)
-        got = self.ledger.lease(self.job_id)
+        expected = m.expect_lease(scores, stage)
+        got = self.ledger.lease(self.job_id, None if stage is None else f"s{stage}")
         if expected is None:
             assert got is None, f"leased {got} where the model expected nothing"
             STATS["lease: nothing"] += 1
@@ -357,6 +359,9 @@ class LedgerMachine(RuleBasedStateMachine):
         assert (got.seq, got.stage_index, got.attempt) == (expected.seq, expected.stage, expected.attempt + 1)
         assert got.cursor == {"type": "offset", "offset": expected.start}
         assert got.items == list(range(expected.start, expected.end))
+        # a later stage gets the output the stage before it committed (see do_complete)
+        previous = {"seq": expected.seq, "stage": expected.stage - 1}
+        assert got.input == (None if expected.stage == 0 else previous)
         m.lease(expected, got.lease_token)
         return got
 
@@ -401,6 +406,10 @@ class LedgerMachine(RuleBasedStateMachine):
     # worker
     def lease(self, data):
         self.do_lease()
+
+    def lease_stage(self, data):
+        """A worker that runs one stage only leases by its name."""
+        self.do_lease(data.draw(st.integers(0, self.model.stages - 1), label="stage"))
 
     def complete(self, data):
         """The holder of a current lease answers (a lease is taken first if none is held)."""
@@ -638,6 +647,11 @@ class LedgerMachine(RuleBasedStateMachine):
         self.restarts += 1
         assert self.dump(scores=True) == before
 
+    def pipe_all(self, queue) -> list:
+        pipe = self.r.pipeline(transaction=False)
+        queue(pipe)
+        return pipe.execute()
+
     def dump(self, scores: bool = False) -> dict:
         """Every key of the job but its log and audit streams (and the short-lived claim and plan lock);
         zsets by member only unless ``scores`` (the machine itself moves lease and ready scores: time)."""
@@ -779,6 +793,16 @@ class LedgerMachine(RuleBasedStateMachine):
                 if covered[item] == "completed":
                     assert (item, m.stages - 1) in m.committed
             assert not m.over_budget(recount["n_failed"])
+
+        # retention: only a finished job's keys may carry a TTL (the supervisor's retire): one that runs
+        # again must not vanish mid-run; the recovery claim and the plan lock always expire by their own
+        keys = r.keys(k.job.rsplit(":", 1)[0] + ":*")
+        ttls = self.pipe_all(lambda pipe: [pipe.pttl(key) for key in keys])
+        for key, ttl in zip(keys, ttls, strict=True):
+            if key.endswith((":recover", ":planlock")):
+                assert 0 < ttl <= 60_000, f"{key} of a {m.status} job: TTL {ttl}"
+            elif m.status not in ("succeeded", "cancelled"):
+                assert ttl == -1, f"{key} of a {m.status} job expires in {ttl} ms"
 
         # 5. succeeded and cancelled jobs change no more (a succeeded one only by a replan)
         if self.snapshot is not None and not getattr(self, "replanned", False):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import Conflict
+from gateway.supervisor import Supervisor
 from tests.conftest import drain
 
 
@@ -72,3 +73,38 @@ def test_a_held_job_failed_by_its_budget_is_held_no_more(ledger, jobs, make_job)
     view = jobs.view("acme", job_id)
     assert (view["status"], view["held_reason"]) == ("failed", None)
     assert "budget" in view["error"]
+
+
+def test_resume_keeps_the_recovery_claim_short_lived(ledger, make_job):
+    """Found: resume (persist_job) removed the TTL of every job key, the supervisor's 60 s recovery claim
+    too, so after a resume no supervisor could ever recover that job again after a crash."""
+    job_id = make_job(items=6, max_items=3)
+    ledger.lease(job_id)
+    k = ledger.keys.job(job_id)
+    assert Supervisor(ledger, name="sup-a").recover()  # claims the job for 60 s
+    ledger.reopen(job_id, "tenant:acme")
+    assert 0 < ledger.r.pttl(k.recover) <= 60_000
+
+
+def test_resume_keeps_a_dead_planners_lock_short_lived(ledger, make_job):
+    """The same for the plan lock of a planner that died while reading the source: a resume made it
+    permanent, and the job never planned a batch again."""
+    job_id = make_job(items=6, max_items=3)
+    k = ledger.keys.job(job_id)
+    ledger.r.set(k.plan_lock, "a planner that died", px=30_000)
+    ledger.reopen(job_id, "tenant:acme")
+    assert 0 < ledger.r.pttl(k.plan_lock) <= 30_000
+
+
+def test_retention_does_not_stretch_the_recovery_claim(ledger, make_job):
+    """Retiring a finished job gave its recovery claim the retention TTL (7 days by default): a replan
+    then left the job unrecoverable for that long."""
+    job_id = make_job(items=3, max_items=3, stages=("only",))
+    lease = ledger.lease(job_id)
+    k = ledger.keys.job(job_id)
+    assert Supervisor(ledger, name="sup-a").recover()
+    ledger.complete(job_id, lease.seq, lease.lease_token, {})
+    Supervisor(ledger, name="sup-a").tick()  # retires the succeeded job: retention TTL on its keys
+    assert 0 < ledger.r.pttl(k.job) and ledger.r.pttl(k.recover) <= 60_000
+    ledger.replan(job_id, {"type": "offset", "offset": 0}, "tenant:acme", "run it again")
+    assert ledger.r.pttl(k.job) == -1 and 0 < ledger.r.pttl(k.recover) <= 60_000
