@@ -720,6 +720,13 @@ class LedgerMachine(RuleBasedStateMachine):
             assert int(fields.get("unspent") or 0) == b.unspent, f"batch {seq} unspent"
             for stage, (attempt, token) in b.commits.items():
                 assert fields[f"c:{stage}"] == f"{attempt} {token}"
+            # the per-stage status the batch view shows: 'running' only while leased, 'completed' once
+            # committed
+            for stage in range(m.stages):
+                shown = fields.get(f"st:{stage}", "pending")
+                assert (shown == "running") == (b.status == "leased" and b.stage == stage), \
+                    f"batch {seq} ({b.status} at stage {b.stage}) shows stage {stage} {shown}"
+                assert (shown == "completed") == (stage in b.commits), f"batch {seq} stage {stage} {shown}"
         assert bool(active) == m.active
         # what the view shows with the status: a live job has no end and no error; a finished one has an
         # end; only a held job shows why it is held

@@ -108,3 +108,18 @@ def test_retention_does_not_stretch_the_recovery_claim(ledger, make_job):
     assert 0 < ledger.r.pttl(k.job) and ledger.r.pttl(k.recover) <= 60_000
     ledger.replan(job_id, {"type": "offset", "offset": 0}, "tenant:acme", "run it again")
     assert ledger.r.pttl(k.job) == -1 and 0 < ledger.r.pttl(k.recover) <= 60_000
+
+
+@pytest.mark.parametrize("take_back", [
+    lambda ledger, job_id: ledger.reopen(job_id, "tenant:acme"),
+    lambda ledger, job_id: ledger.cancel(job_id, "tenant:acme"),
+    lambda ledger, job_id: ledger.replan(job_id, {"type": "offset", "offset": 0}, "tenant:acme", "again"),
+], ids=["resume", "cancel", "replan"])
+def test_a_lease_taken_back_no_longer_shows_its_stage_running(ledger, jobs, make_job, take_back):
+    """Found: after resume took a lease back, cancel voided it or a replan superseded its batch, the
+    batch view still showed the stage as 'running' (a cancelled job looking busy)."""
+    job_id = make_job(items=6, max_items=3)
+    lease = ledger.lease(job_id)
+    assert jobs.batch("acme", job_id, lease.seq)["stages"]["score"]["status"] == "running"
+    take_back(ledger, job_id)
+    assert jobs.batch("acme", job_id, lease.seq)["stages"]["score"]["status"] == "pending"

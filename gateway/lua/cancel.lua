@@ -23,7 +23,9 @@ for i = 4, #ARGV do
   local key = KEYS[i + 1]
   local batch = load(key)
   if batch and batch['status'] == 'leased' then
-    save(key, batch, {status = 'pending', lease_token = '', deadline_ms = '', error = 'job cancelled'})
+    local chg = {status = 'pending', lease_token = '', deadline_ms = '', error = 'job cancelled'}
+    chg['st:' .. batch['stage']] = 'pending'  -- nothing runs the stage once its lease is void
+    save(key, batch, chg)
     voided = voided + 1
   end
 end

@@ -70,6 +70,8 @@ for _, t in ipairs(todo) do
     bchg['attempt'] = '0'
     bchg['unspent'] = '0'
     redis.call('ZREM', KEYS[3], t.seq)
+  else
+    bchg['st:' .. t.batch['stage']] = 'pending'  -- the lease taken back: the stage runs no more
   end
   redis.call('ZREM', KEYS[2], t.seq)
   redis.call('ZADD', KEYS[6 + tonumber(t.batch['stage'])], now, t.seq)

@@ -25,7 +25,9 @@ for i = 7, #ARGV do
   local seq = ARGV[i]
   local batch = load(key)
   if batch and batch['status'] ~= 'completed' and batch['status'] ~= 'superseded' then
-    save(key, batch, {status = 'superseded', lease_token = '', deadline_ms = ''})
+    local chg = {status = 'superseded', lease_token = '', deadline_ms = ''}
+    if batch['status'] == 'leased' then chg['st:' .. batch['stage']] = 'pending' end  -- lease void
+    save(key, batch, chg)
     redis.call('DEL', KEYS[first_batch + 2 * (i - 7) + 1])
     superseded = superseded + 1
   end
