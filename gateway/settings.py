@@ -34,9 +34,9 @@ class Settings(BaseSettings):
         default=None, description="JSON file (mode 0600) of settings by field name, read under the "
         "environment: how credentials reach a process without its environment holding them")
 
-
     redis_url: SecretStr | None = Field(
-        default=None, description="Ledger Redis; unset = start an embedded redis-server"
+        default=None, description="Ledger Redis; unset = the embedded redis-server of `batchgate up` "
+        "(recorded in data_dir/redis.json); other commands join it or refuse to start"
     )
     data_dir: Path = Field(default=Path(".batchgate"), description="Embedded Redis data folder")
     key_prefix: str = Field(default="bg", pattern=r"^[A-Za-z0-9_.-]+$")
