@@ -97,9 +97,9 @@ class StageCall:
 
     envelope: dict[str, Any]
     target: dict[str, Any]
-    secrets: dict[str, str] = field(default_factory=dict)
+    secrets: dict[str, str] = field(default_factory=dict, repr=False)  # never in a log or traceback
     timeout_s: float = 30.0
-    signing_key: bytes = b""
+    signing_key: bytes = field(default=b"", repr=False)
     idempotent: bool = False
 
     @property

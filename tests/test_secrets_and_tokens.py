@@ -438,3 +438,12 @@ def test_non_canonical_tokens_get_401_from_the_api(stack):
         if "/" in variant or variant.strip() != variant:
             continue
         assert api.session.get(f"{api.base}/v1/blobs/{variant}").status_code == 401, variant
+
+
+def test_a_stage_call_prints_no_secret_or_signing_key():
+    from connectors.base import StageCall
+
+    call = StageCall(envelope={"idempotency_key": "j:0:s"}, target={"type": "http"},
+                     secrets={"auth_secret": "sk-very-secret"}, signing_key=b"signing-key-bytes")
+    shown = repr(call) + str(call)
+    assert "sk-very-secret" not in shown and "signing-key-bytes" not in shown
