@@ -307,8 +307,10 @@ ACTIONS = (
     + ["next_job"] * 2
 )
 
+
 class LedgerMachine(RuleBasedStateMachine):
-    """One job per example; ``server`` and ``data_dir`` are set on a subclass by the test function."""
+    """One job at a time (another once it is final), on a Redis emptied for each example; ``server`` and
+    ``data_dir`` are set on a subclass by the test function."""
 
     server: EmbeddedRedis
     data_dir = None
