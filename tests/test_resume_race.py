@@ -19,13 +19,14 @@ ITEMS = 60
 STAGES = ("score", "store")
 
 
-def _worker(ledger, job_id, rng, stop, committed, lock):
-    """A pull loop: lease, maybe take a moment, complete (or now and then fail, retryably)."""
+def _worker(ledger, job_id, rng, stop, committed, lock, replanned):
+    """A pull loop: lease, maybe take a moment, complete (or now and then fail, retryably). It leaves
+    once the job is final after the cursor move (a job that finished before it is re-opened by it)."""
     while not stop.is_set():
         got = ledger.lease(job_id)
         if got is None:
             status = ledger.job_fields(job_id)["status"]
-            if status in ("succeeded", "failed", "cancelled"):
+            if status in ("succeeded", "failed", "cancelled") and replanned.is_set():
                 return
             time.sleep(0.0005)
             continue
@@ -82,9 +83,10 @@ def test_resume_by_cursor_while_batches_are_leased(ledger, make_job, seed):
                           concurrency=rng.choice([2, 4, 8]), tolerated_failure_percentage=0,
                           stage_defs=[{"name": s, "retry": {"initial_interval": 0.001,
                                                             "maximum_attempts": 100}} for s in STAGES])
-        stop, lock, committed = threading.Event(), threading.Lock(), []
+        stop, lock, committed, replanned = threading.Event(), threading.Lock(), [], threading.Event()
         threads = [threading.Thread(target=_worker,
-                                    args=(ledger, job_id, random.Random(rng.random()), stop, committed, lock))
+                                    args=(ledger, job_id, random.Random(rng.random()), stop, committed, lock,
+                                          replanned))
                    for _ in range(rng.choice([2, 3, 4]))]
         for t in threads:
             t.start()
@@ -100,6 +102,7 @@ def test_resume_by_cursor_while_batches_are_leased(ledger, make_job, seed):
             want, cursor = "backward", rng.randrange(0, here)
         moves[want] += 1
         ledger.replan(job_id, {"type": "offset", "offset": cursor}, "race-test", f"run {run}")
+        replanned.set()
         deadline = time.monotonic() + 60  # generous: CI machines can be busy
         for t in threads:
             t.join(max(deadline - time.monotonic(), 0.1))
