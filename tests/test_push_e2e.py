@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from tests.http import ApiClient, serve_app
 from tests.platforms import FakeDify
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "resume_screening"))
+from demo import kill_worker  # noqa: E402
 from standin_platform import StandInPlatform  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -64,10 +64,10 @@ class Workers:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
     def kill(self) -> None:
+        """SIGKILL each worker and RQ's work horses (own process groups), so calls in flight die too."""
         for proc in self.procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                kill_worker(proc)
         self.procs = []
 
 
