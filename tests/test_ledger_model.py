@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import redis
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -321,6 +322,12 @@ class LedgerMachine(RuleBasedStateMachine):
                                  tokens={"t-acme-0123456789": TENANT})
         self.connect()
         self.r.flushdb()
+        # Keep the AOF the size of what is in Redis: without a rewrite it grows by every example's writes,
+        # and each restart replays all of it (seconds per restart after a few thousand examples).
+        try:
+            self.r.bgrewriteaof()
+        except redis.ResponseError:  # one already under way
+            pass
         self.model: Model | None = None
         self.jobs_made = 0
         self.restarts = 0
