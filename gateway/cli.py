@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="RQ worker (with RQ's scheduler) running push-mode stages")
     worker.add_argument("--burst", action="store_true", help="exit when the queue is empty")
+    worker.add_argument("--concurrency", type=int, default=None,
+                        help="stage calls run at once in this process (threads; default "
+                             "BATCHGATE_WORKER_CONCURRENCY, 1)")
     worker.set_defaults(func=cmd_worker)
 
     cli_client.add_commands(sub)
@@ -131,7 +134,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         # tied: even a SIGKILL of `up` stops them
         children["API (gunicorn)"] = api = procs.start_api(env, host, port, tied=True)
         children["supervisor"] = procs.start_supervisor(env, tied=True)
-        children["worker"] = procs.start_worker(env, tied=True)
+        # sized for I/O (calls wait on platforms) unless BATCHGATE_WORKER_CONCURRENCY says otherwise
+        children["worker"] = procs.start_worker(
+            env, tied=True, concurrency=None if "worker_concurrency" in settings.model_fields_set
+            else procs.UP_WORKER_CONCURRENCY)
         if embedded is not None:
             children["embedded redis-server"] = embedded.proc
         base = f"http://{host}:{port}"
@@ -171,19 +177,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    """One RQ worker on the batchgate queue, JSON serializer, scheduler on."""
+    """RQ workers on the batchgate queue (JSON serializer, scheduler on): --concurrency N > 1 runs N
+    stage calls at once in threads (gateway/worker.py), 1 is RQ's forking worker; SIGTERM lets calls in
+    flight finish (within BATCHGATE_WORKER_GRACE) and gives the queued stage attempts back."""
     _, settings = connect(Settings())  # NoLedgerRedis before anything else
-    # dispatcher() and RQ's work horses read the URL from the environment
+    # dispatcher() reads the URL from the environment
     os.environ["BATCHGATE_REDIS_URL"] = settings.redis_url.get_secret_value()
-    from rq import Worker
-    from rq.serializers import JSONSerializer
-
     from gateway.dispatch import dispatcher
+    from gateway.worker import ConcurrentWorker, run_forking
 
-    d = dispatcher()
-    worker = Worker([d.queue], connection=d.queue.connection, serializer=JSONSerializer)
-    worker.work(with_scheduler=True, burst=args.burst, logging_level=Settings().log_level.upper())
-    return 0
+    settings = Settings()
+    concurrency = args.concurrency or settings.worker_concurrency
+    if concurrency < 1:
+        print("batchgate worker: --concurrency must be at least 1", file=sys.stderr)
+        return 2
+    if concurrency == 1:
+        return run_forking(dispatcher().queue, args.burst, settings.log_level.upper())
+    worker = ConcurrentWorker(dispatcher().queue, concurrency, settings.worker_grace.total_seconds(),
+                              logging_level=settings.log_level.upper())
+    return worker.run(burst=args.burst)
 
 
 def cmd_supervisor(args: argparse.Namespace) -> int:

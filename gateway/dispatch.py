@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -53,6 +54,9 @@ log = logging.getLogger(__name__)
 QUEUE_NAME = "batchgate"
 DEFAULT_TARGET_LIMIT = 8
 SLOT_WAIT = timedelta(milliseconds=500)
+#: Set when this worker process is stopping (SIGTERM): no new pump, and a stage attempt dequeued now
+#: gives its lease back without a call (no attempt spent) instead of calling the platform.
+STOPPING = threading.Event()
 
 
 def target_id(target: dict[str, Any]) -> str:
@@ -111,13 +115,21 @@ class Dispatcher:
     # -- pump ------------------------------------------------------------------------------
 
     def pump(self, job_id: str) -> int:
-        """Lease every push-stage batch that may start now and enqueue its attempt; returns how many."""
+        """Lease every push-stage batch that may start now and enqueue its attempt; returns how many.
+
+        The lease runs for ``dispatch_queue_timeout`` while the attempt waits in RQ's queue for a free
+        worker slot; begin.lua restarts it with the stage's lease when the call starts. A queue lease
+        that runs out (no worker for that long) is released without spending an attempt (expire.lua).
+        """
+        if STOPPING.is_set():
+            return 0
         spec = self.ledger.spec(job_id)
+        queue_ms = int(self.settings.dispatch_queue_timeout.total_seconds() * 1000)
         push = [i for i, s in enumerate(spec.flow.stages) if s.target is not None]
         enqueued = 0
         while push and enqueued < spec.flow.concurrency:
             open_stages = [i for i in push if self._target_open(spec.flow.stages[i])]
-            lease = self.ledger.lease_stages(job_id, open_stages)
+            lease = self.ledger.lease_stages(job_id, open_stages, lease_ms=queue_ms)
             if lease is None:
                 break
             self._enqueue_run(spec, lease.seq, lease.stage_index, lease.attempt, lease.lease_token)
@@ -155,6 +167,11 @@ class Dispatcher:
         spec = self.ledger.spec(job_id)
         stage = spec.flow.stages[stage_idx]
         holder = f"{job_id}:{seq}:{stage_idx}:{attempt}:{secrets.token_hex(4)}"
+        if STOPPING.is_set():  # this worker is stopping: the batch goes back, no call, no attempt spent
+            self._begin(spec, stage, seq, stage_idx, token, mode="release")
+            return
+        if not wait and not self._begin(spec, stage, seq, stage_idx, token, mode="claim"):
+            return  # off the queue: the stage's lease clock starts (a worker killed now costs no attempt)
         if not self._take_slot(stage, holder):
             self._wait_for_slot(spec, seq, stage_idx, attempt, token, wait)
             return
@@ -189,14 +206,16 @@ class Dispatcher:
         outcome = self._guarded(call, stage, lambda: self._connector(stage).poll(call, handle, self.session))
         self._act(spec, stage, call, seq, stage_idx, token, outcome)
 
-    def _begin(self, spec: JobSpec, stage: Stage, seq: int, stage_idx: int, token: str) -> bool:
+    def _begin(self, spec: JobSpec, stage: Stage, seq: int, stage_idx: int, token: str,
+               mode: str = "") -> bool:
         """The ledger's word that this call may start now (begin.lua): the lease is current and the
         job running. A cancel voids leases, so no call starts after it; a paused or held job gets the
         batch back in its ready set without spending an attempt."""
         k = self.ledger.keys.job(spec.job_id)
         res = self.ledger.scripts.begin(
             keys=[k.job, k.batch(seq), k.leases, k.ready(stage_idx), k.log],
-            args=[token, int(stage.lease.total_seconds() * 1000), self.settings.log_maxlen])
+            args=[token, int(stage.lease.total_seconds() * 1000), self.settings.log_maxlen,
+                  mode])
         if res[0] == "ok":
             return True
         log.info("call not started job_id=%s seq=%s: %s", spec.job_id, seq, "/".join(map(str, res)))
@@ -327,15 +346,22 @@ def _now_ms(r: redis.Redis) -> int:
 
 # -- RQ entry points (importable by name; arguments are JSON) -----------------------------------
 
-_DISPATCHER: Dispatcher | None = None
+_LOCAL = threading.local()
+_DISPATCHER: Dispatcher | None = None  # a process-wide override (tests run RQ jobs in-process)
 
 
 def dispatcher() -> Dispatcher:
-    """This worker process's Dispatcher, built once from the environment."""
-    global _DISPATCHER
-    if _DISPATCHER is None:
-        _DISPATCHER = Dispatcher.build(Settings())
-    return _DISPATCHER
+    """This thread's Dispatcher, built once per thread from the environment.
+
+    A worker runs several stage calls at once in threads (gateway/worker.py); each thread has its own
+    HTTP session and Redis clients, so nothing in a Dispatcher is shared between concurrent calls.
+    """
+    if _DISPATCHER is not None:
+        return _DISPATCHER
+    d = getattr(_LOCAL, "dispatcher", None)
+    if d is None:
+        d = _LOCAL.dispatcher = Dispatcher.build(Settings())
+    return d
 
 
 def run_stage(job_id: str, seq: int, stage: int, attempt: int, token: str, wait: int = 0) -> None:

@@ -188,8 +188,11 @@ class Ledger(ControlOps):
         spec = self.spec(job_id)
         return self.lease_stages(job_id, self._stage_filter(spec, stage))
 
-    def lease_stages(self, job_id: str, stages: list[int]) -> Lease | None:
+    def lease_stages(self, job_id: str, stages: list[int], lease_ms: int | None = None) -> Lease | None:
         """Lease the next ready batch at one of ``stages`` (indices); None only when nothing is ready.
+
+        ``lease_ms`` overrides the stage's lease length (push mode: the dispatch queue timeout, until
+        begin.lua restarts the clock with the stage's lease when the call starts).
 
         A lost race (another caller took the candidates, or planned the batch first) is retried here,
         for up to LEASE_PATIENCE_S, so it never surfaces as "nothing ready".
@@ -217,7 +220,7 @@ class Ledger(ControlOps):
                 res = self.scripts.lease(
                     keys=[k.job, k.ready(idx), k.leases, k.log, k.failed,
                           *[key for s in seqs for key in (k.batch(s), k.items(s))]],
-                    args=[idx, int(spec.flow.stages[idx].lease.total_seconds() * 1000), token,
+                    args=[idx, lease_ms or int(spec.flow.stages[idx].lease.total_seconds() * 1000), token,
                           spec.flow.concurrency, self.settings.log_maxlen, spec.budget_total,
                           spec.flow.tolerated_failure_percentage, *seqs])
                 if res[0] == "ok":
@@ -421,12 +424,14 @@ class Ledger(ControlOps):
         now = int(time.time() * 1000)
         out = []
         for seq in self.r.zrangebyscore(k.leases, "-inf", now):
-            policy = spec.flow.stages[int(self.r.hget(k.batch(int(seq)), "stage") or 0)].retry
+            stage = spec.flow.stages[int(self.r.hget(k.batch(int(seq)), "stage") or 0)]
+            policy = stage.retry
             res = self.scripts.expire(
                 keys=[k.job, k.batch(int(seq)), k.leases, k.failed, k.log,
                       *self._ready_keys(spec)],
                 args=[seq, *self._policy_args(policy), self.settings.log_maxlen,
-                      spec.budget_total, spec.flow.tolerated_failure_percentage, actor])
+                      spec.budget_total, spec.flow.tolerated_failure_percentage, actor,
+                      "1" if stage.target is not None else "0"])
             if res[0] == "held":
                 break
             if res[0] in ("retry", "failed"):

@@ -136,9 +136,15 @@ def start_supervisor(env: dict[str, str], tied: bool = False) -> subprocess.Pope
     return _spawn([sys.executable, "-m", "gateway.cli", "supervisor"], env, tied)
 
 
-def start_worker(env: dict[str, str], tied: bool = False) -> subprocess.Popen:
-    """``batchgate worker``: RQ worker for push-mode stages."""
-    return _spawn([sys.executable, "-m", "gateway.cli", "worker"], env, tied)
+#: Stage calls the worker ``batchgate up`` starts runs at once (they wait on platforms: I/O bound).
+UP_WORKER_CONCURRENCY = 64
+
+
+def start_worker(env: dict[str, str], tied: bool = False, concurrency: int | None = None) -> subprocess.Popen:
+    """``batchgate worker``: RQ worker threads for push-mode stages (``--concurrency`` if given, else
+    BATCHGATE_WORKER_CONCURRENCY from ``env``)."""
+    extra = ["--concurrency", str(concurrency)] if concurrency else []
+    return _spawn([sys.executable, "-m", "gateway.cli", "worker", *extra], env, tied)
 
 
 def wait_healthy(base_url: str, timeout_s: float = 20.0, *, instance_id: str | None = None,

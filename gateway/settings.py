@@ -72,6 +72,16 @@ class Settings(BaseSettings):
         default=timedelta(seconds=30), description="a URL source read fails (retryable) after this long "
         "without a byte")
     callback_grace: timedelta = timedelta(hours=1)
+    dispatch_queue_timeout: timedelta = Field(
+        default=timedelta(seconds=60), description="a push-stage batch leased for dispatch waits this "
+        "long for a worker to take its RQ job; past it the lease is released without spending an attempt "
+        "and leased again (a stale queued job then calls nothing), which also recovers a job lost when "
+        "a worker died between leasing and enqueuing")
+    worker_concurrency: int = Field(
+        default=1, ge=1, le=1024, description="stage calls one `batchgate worker` process runs at once")
+    worker_grace: timedelta = Field(
+        default=timedelta(seconds=30), description="after SIGTERM, how long a worker lets its in-flight "
+        "calls finish before it exits")
     embedded_fsync: Literal["always", "everysec"] = Field(
         default="everysec", description="appendfsync of the embedded Redis")
     log_level: str = "INFO"
@@ -94,7 +104,7 @@ class Settings(BaseSettings):
         return value
 
     @field_validator("idempotency_ttl", "supervisor_interval", "callback_grace", "source_read_timeout",
-                     mode="before")
+                     "dispatch_queue_timeout", "worker_grace", mode="before")
     @classmethod
     def _seconds(cls, value: object) -> object:
         """Durations from the environment may be plain seconds ("0.2") or ISO 8601 ("PT24H")."""

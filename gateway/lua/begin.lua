@@ -1,6 +1,9 @@
 -- begin.lua: a push-mode worker is about to call the platform for a leased batch stage.
 -- KEYS[1] job   KEYS[2] batch:<seq>   KEYS[3] leases   KEYS[4] ready:<stage>   KEYS[5] log
 -- ARGV[1] lease token   ARGV[2] lease length (ms)   ARGV[3] log maxlen
+-- ARGV[4] 'release': give the lease back without a call (a stopping worker), whatever the job's status;
+--         'claim': a worker took the attempt off the queue: the stage's lease clock starts now, no call
+--         yet (called_ms unset), so a worker killed before its call lets the lease expire unspent
 -- Returns {'ok', deadline_ms} | {'released', job status} | {'stale', status, attempt} | {'cancelled'}
 --       | {'corrupt'} | {'missing'}
 -- Invariant: a platform call starts only for the current lease of a running job, decided here in one
@@ -12,9 +15,11 @@ if refused then return refused end
 local status = redis.call('HGET', KEYS[1], 'status') or 'missing'
 local now = now_ms()
 local seq = batch['seq']
-if status == 'running' then
+if status == 'running' and ARGV[4] ~= 'release' then
   local deadline = now + tonumber(ARGV[2])
-  save(KEYS[2], batch, {deadline_ms = int(deadline), called_ms = int(now)})
+  local chg = {deadline_ms = int(deadline)}
+  if ARGV[4] ~= 'claim' then chg['called_ms'] = int(now) end
+  save(KEYS[2], batch, chg)
   redis.call('ZADD', KEYS[3], deadline, seq)
   return {'ok', int(deadline)}
 end
@@ -25,5 +30,5 @@ save(KEYS[2], batch, chg)
 redis.call('ZREM', KEYS[3], seq)
 redis.call('ZADD', KEYS[4], now, seq)
 log(KEYS[5], ARGV[3], {'event', 'call_not_started', 'seq', seq, 'stage', batch['stage'],
-  'attempt', batch['attempt'], 'job_status', status})
+  'attempt', batch['attempt'], 'job_status', status, 'reason', ARGV[4] == 'release' and 'worker_stopping' or 'job_status'})
 return {'released', status}

@@ -1,0 +1,297 @@
+"""Push mode at platform scale: one `batchgate worker` process holds many slow calls in flight, a batch
+waiting for a free worker slot holds no lease that can expire, and no call is paid twice.
+
+Real `batchgate worker` processes, the API on a socket, a supervisor thread, and a slow sync platform on
+127.0.0.1 that counts calls in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from gateway.app import create_app
+from gateway.dispatch import Dispatcher
+from gateway.errors import NotFound
+from gateway.ledger import Ledger
+from gateway.supervisor import Supervisor
+from tests.conftest import TOKEN
+from tests.http import ApiClient, serve_app
+
+pytestmark = pytest.mark.slow
+
+
+class CountingPlatform:
+    """A sync platform that takes ``delay`` seconds per call, recording arrivals and the peak in flight."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.arrivals: list[tuple[float, int]] = []
+        self.in_flight = 0
+        self.peak = 0
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with outer.lock:
+                    outer.arrivals.append((time.monotonic(), body["seq"]))
+                    outer.in_flight += 1
+                    outer.peak = max(outer.peak, outer.in_flight)
+                try:
+                    time.sleep(outer.delay)
+                    data = json.dumps({"status": "succeeded", "output": {"n": len(body["items"])}}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                finally:
+                    with outer.lock:
+                        outer.in_flight -= 1
+
+        ThreadingHTTPServer.request_queue_size = 256
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
+                         daemon=True).start()
+
+    def seqs(self) -> list[int]:
+        with self.lock:
+            return [seq for _, seq in self.arrivals]
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def flow(url: str, batches: int, *, concurrency: int, lease: float, timeout: float,
+         max_in_flight: int, attempts: int = 3) -> dict:
+    return {"id": "wc", "version": "1", "batching": {"max_items": 1}, "concurrency": concurrency,
+            "source": {"type": "sequence", "count": batches},
+            "stages": [{"name": "score", "lease": lease, "timeout": timeout,
+                        "retry": {"initial_interval": 0.1, "maximum_attempts": attempts},
+                        "target": {"type": "http", "url": f"{url}/score", "mode": "sync",
+                                   "max_in_flight": max_in_flight}}]}
+
+
+class Stack:
+    def __init__(self, api: ApiClient, ledger: Ledger, env: dict[str, str], own) -> None:
+        self.api, self.ledger, self.env, self.own = api, ledger, env, own
+        self.sup: Supervisor | None = None
+        self.procs: list[subprocess.Popen] = []
+
+    def start_supervisor(self) -> None:
+        self.sup = Supervisor(self.ledger, name="wc", dispatcher=Dispatcher.build(self.own, self.ledger))
+        threading.Thread(target=self.sup.run, daemon=True).start()
+
+    def stop_supervisor(self) -> None:
+        if self.sup is not None:
+            self.sup.stop.set()
+            time.sleep(0.3)  # its current tick ends
+
+    def worker(self, concurrency: int, **env: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "worker", "--concurrency",
+                                 str(concurrency)], env={**self.env, **env}, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(proc)
+        return proc
+
+    def job(self, job_id: str) -> dict:
+        return self.api.get(f"/v1/jobs/{job_id}").json()
+
+    def wait_done(self, job_id: str, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while (job := self.job(job_id))["status"] == "running":
+            assert time.monotonic() < deadline, f"job did not finish: {job}"
+            time.sleep(0.1)
+        return job
+
+    def batches(self, job_id: str, count: int) -> list[dict]:
+        return [self.ledger.batch_record(job_id, seq) for seq in range(count)]
+
+    def log(self, job_id: str) -> list[dict]:
+        return [f for _, f in self.ledger.r.xrange(self.ledger.keys.job(job_id).log)]
+
+
+@contextmanager
+def stack(settings, redis_client, data, **over):
+    own = settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"], "data_dir": data,
+                                      "supervisor_interval": timedelta(milliseconds=100), **over})
+    holder: dict = {}
+    base, stop_api = serve_app(lambda environ, start: holder["app"](environ, start))
+    own = own.model_copy(update={"public_url": base})
+    holder["app"] = create_app(own, redis_client)
+    env = {**os.environ, "BATCHGATE_REDIS_URL": own.redis_url.get_secret_value(),
+           "BATCHGATE_SIGNING_KEY": own.signing_secret().decode(), "BATCHGATE_PUBLIC_URL": base,
+           "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]', "BATCHGATE_LOG_LEVEL": "WARNING",
+           "BATCHGATE_DATA_DIR": str(data)}
+    s = Stack(ApiClient(base, TOKEN), Ledger(redis_client, own), env, own)
+    s.start_supervisor()
+    try:
+        yield s
+    finally:
+        for proc in s.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        s.stop_supervisor()
+        stop_api()
+
+
+def start_job(s: Stack, spec: dict) -> str:
+    assert s.api.post("/v1/flows", json=spec).status_code == 201
+    return s.api.post("/v1/jobs", json={"flow_id": spec["id"]}).json()["job_id"]
+
+
+def test_batches_queued_behind_a_busy_worker_longer_than_their_lease_are_called_once(
+        settings, redis_client, tmp_path):
+    """1 worker running 1 call at a time, flow concurrency 32: most batches wait in the queue far
+    longer than their 2 s lease (12 x 0.6 s); none expires there, so paid calls == batches."""
+    batches = 12
+    platform = CountingPlatform(delay=0.6)
+    try:
+        with stack(settings, redis_client, tmp_path / "data") as s:
+            s.worker(1)
+            job_id = start_job(s, flow(platform.url, batches, concurrency=32, lease=2, timeout=2,
+                                       max_in_flight=32))
+            job = s.wait_done(job_id, 60)
+            log = s.log(job_id)
+            records = s.batches(job_id, batches)
+    finally:
+        platform.close()
+    assert job["status"] == "succeeded", job
+    assert sorted(platform.seqs()) == list(range(batches))  # paid calls == batches, one per batch
+    assert platform.peak == 1
+    assert [e for e in log if e["event"] in ("retry_scheduled", "batch_failed")] == []
+    assert {r["attempt"] for r in records} == {"1"}
+    # the queue wait really was longer than the lease: the last call began > 2 s after the first
+    starts = sorted(t for t, _ in platform.arrivals)
+    assert starts[-1] - starts[0] > 4
+
+
+def test_one_worker_process_holds_many_calls_in_flight(settings, redis_client, tmp_path):
+    batches = 32
+    platform = CountingPlatform(delay=1.0)
+    try:
+        with stack(settings, redis_client, tmp_path / "data") as s:
+            s.worker(16)
+            job_id = start_job(s, flow(platform.url, batches, concurrency=32, lease=10, timeout=5,
+                                       max_in_flight=32))
+            started = time.monotonic()
+            job = s.wait_done(job_id, 60)
+            took = time.monotonic() - started
+    finally:
+        platform.close()
+    assert job["status"] == "succeeded", job
+    assert sorted(platform.seqs()) == list(range(batches))  # paid calls == batches
+    assert platform.peak >= 12, platform.peak
+    assert took < 16, took  # one call at a time would take 32 s
+
+
+def test_target_max_in_flight_holds_across_worker_threads(settings, redis_client, tmp_path):
+    batches = 12
+    platform = CountingPlatform(delay=0.5)
+    try:
+        with stack(settings, redis_client, tmp_path / "data") as s:
+            s.worker(16)
+            job_id = start_job(s, flow(platform.url, batches, concurrency=32, lease=10, timeout=5,
+                                       max_in_flight=3))
+            job = s.wait_done(job_id, 60)
+    finally:
+        platform.close()
+    assert job["status"] == "succeeded", job
+    assert sorted(platform.seqs()) == list(range(batches))
+    assert platform.peak <= 3
+
+
+def test_sigterm_lets_calls_in_flight_commit_and_releases_the_rest_unspent(
+        settings, redis_client, tmp_path):
+    batches = 16
+    platform = CountingPlatform(delay=2.0)
+    try:
+        with stack(settings, redis_client, tmp_path / "data") as s:
+            proc = s.worker(4)
+            job_id = start_job(s, flow(platform.url, batches, concurrency=16, lease=10, timeout=5,
+                                       max_in_flight=16, attempts=1))
+            deadline = time.monotonic() + 30
+            while platform.in_flight < 4:
+                assert time.monotonic() < deadline, "the worker never had 4 calls in flight"
+                time.sleep(0.01)
+            s.stop_supervisor()  # nobody pumps again: what stays leased is the worker's doing
+            proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            assert proc.wait(timeout=40) == 0
+            exited = time.monotonic()
+            calls_before = platform.seqs()
+            job = s.job(job_id)
+            records = s.batches(job_id, batches)
+            leases = redis_client.zcard(s.ledger.keys.job(job_id).leases)
+            # a new worker and supervisor finish the job: nothing was spent on the released batches
+            s.start_supervisor()
+            s.worker(16)
+            done = s.wait_done(job_id, 60)
+    finally:
+        platform.close()
+    assert len(calls_before) == 4  # no call started after the signal
+    assert [t for t, _ in platform.arrivals[:4] if t > signalled] == []
+    assert exited - signalled < 10
+    assert job["batches"]["completed"] == 4 and job["batches"]["leased"] == 0, job
+    assert leases == 0
+    called = set(calls_before)
+    for seq, rec in enumerate(records):
+        if seq in called:
+            assert rec["status"] == "completed", rec
+        else:
+            assert rec["status"] == "pending", rec
+            assert int(rec["attempt"]) - int(rec.get("unspent") or 0) == 0, rec  # no attempt spent
+    assert done["status"] == "succeeded", done  # maximum_attempts 1: a spent attempt would have failed
+    assert sorted(platform.seqs()) == list(range(batches))  # paid calls == batches
+
+
+def planned(s: Stack, job_id: str, count: int) -> list[dict]:
+    try:
+        return s.batches(job_id, count)
+    except NotFound:
+        return [{}]
+
+
+def test_queue_lease_of_a_dead_worker_expires_without_spending_an_attempt(settings, redis_client, tmp_path):
+    """No worker for longer than dispatch_queue_timeout: the supervisor takes the queued leases back
+    again and again, spending nothing (maximum_attempts 1); the stale queued RQ jobs then start no call,
+    and a worker finishes the job with one call per batch."""
+    batches = 6
+    platform = CountingPlatform(delay=0.1)
+    try:
+        with stack(settings, redis_client, tmp_path / "data",
+                   dispatch_queue_timeout=timedelta(milliseconds=400)) as s:
+            job_id = start_job(s, flow(platform.url, batches, concurrency=8, lease=5, timeout=2,
+                                       max_in_flight=8, attempts=1))
+            deadline = time.monotonic() + 20
+            while not all(int(r.get("unspent") or 0) >= 2 for r in planned(s, job_id, batches)):
+                assert time.monotonic() < deadline, planned(s, job_id, batches)
+                time.sleep(0.1)
+            assert s.job(job_id)["batches"]["failed"] == 0
+            s.worker(4)
+            done = s.wait_done(job_id, 60)
+            log = s.log(job_id)
+    finally:
+        platform.close()
+    assert done["status"] == "succeeded", done
+    assert sorted(platform.seqs()) == list(range(batches))
+    expired = [e for e in log if e["event"] == "retry_scheduled"]
+    assert expired and all("no attempt spent" in e["error"] for e in expired)
