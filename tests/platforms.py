@@ -486,3 +486,51 @@ class FakeCoze(FakePlatform):
         elif status == "Fail":
             record.update(error_code="5000", error_message="node LLM failed")
         reply.json(200, {"code": 0, "msg": "", "data": [record]})
+
+
+class SlowSyncPlatform:
+    """A sync platform that takes ``delay`` seconds per call, recording arrivals and the peak in flight."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.arrivals: list[tuple[float, int]] = []
+        self.in_flight = 0
+        self.peak = 0
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with outer.lock:
+                    outer.arrivals.append((time.monotonic(), body["seq"]))
+                    outer.in_flight += 1
+                    outer.peak = max(outer.peak, outer.in_flight)
+                try:
+                    time.sleep(outer.delay)
+                    data = json.dumps({"status": "succeeded", "output": {"n": len(body["items"])}}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                finally:
+                    with outer.lock:
+                        outer.in_flight -= 1
+
+        ThreadingHTTPServer.request_queue_size = 256
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
+                         daemon=True).start()
+
+    def seqs(self) -> list[int]:
+        with self.lock:
+            return [seq for _, seq in self.arrivals]
+
+    def close(self) -> None:
+        self.server.shutdown()

@@ -3,50 +3,14 @@ cancel response and no answer commits after it (begin.lua gates every call; canc
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from tests.platforms import SlowSyncPlatform
 from tests.test_push_e2e import push_stack
 
 
-class SlowPlatform:
-    """A sync platform on 127.0.0.1 that takes ``delay`` seconds per call and records arrivals."""
-
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
-        self.arrivals: list[tuple[float, int]] = []
-        self.lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with outer.lock:
-                    outer.arrivals.append((time.monotonic(), body["seq"]))
-                time.sleep(outer.delay)
-                data = json.dumps({"status": "succeeded", "output": {"n": len(body["items"])}}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
-                         daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-
-
 def test_cancel_with_calls_queued_starts_no_call_and_commits_nothing_after(settings, redis_client, tmp_path):
-    platform = SlowPlatform(delay=1.0)
+    platform = SlowSyncPlatform(delay=1.0)
     flow = {"id": "push-cancel", "version": "1", "batching": {"max_items": 2}, "concurrency": 8,
             "source": {"type": "sequence", "count": 40},
             "stages": [{"name": "score", "lease": 30, "timeout": 10,

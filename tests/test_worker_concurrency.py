@@ -7,7 +7,6 @@ Real `batchgate worker` processes, the API on a socket, a supervisor thread, and
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,7 +15,6 @@ import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -27,56 +25,9 @@ from gateway.ledger import Ledger
 from gateway.supervisor import Supervisor
 from tests.conftest import TOKEN
 from tests.http import ApiClient, serve_app
+from tests.platforms import SlowSyncPlatform
 
 pytestmark = pytest.mark.slow
-
-
-class CountingPlatform:
-    """A sync platform that takes ``delay`` seconds per call, recording arrivals and the peak in flight."""
-
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
-        self.arrivals: list[tuple[float, int]] = []
-        self.in_flight = 0
-        self.peak = 0
-        self.lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with outer.lock:
-                    outer.arrivals.append((time.monotonic(), body["seq"]))
-                    outer.in_flight += 1
-                    outer.peak = max(outer.peak, outer.in_flight)
-                try:
-                    time.sleep(outer.delay)
-                    data = json.dumps({"status": "succeeded", "output": {"n": len(body["items"])}}).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                finally:
-                    with outer.lock:
-                        outer.in_flight -= 1
-
-        ThreadingHTTPServer.request_queue_size = 256
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
-                         daemon=True).start()
-
-    def seqs(self) -> list[int]:
-        with self.lock:
-            return [seq for _, seq in self.arrivals]
-
-    def close(self) -> None:
-        self.server.shutdown()
 
 
 def flow(url: str, batches: int, *, concurrency: int, lease: float, timeout: float,
@@ -163,7 +114,7 @@ def test_batches_queued_behind_a_busy_worker_longer_than_their_lease_are_called_
     """1 worker running 1 call at a time, flow concurrency 32: most batches wait in the queue far
     longer than their 2 s lease (12 x 0.6 s); none expires there, so paid calls == batches."""
     batches = 12
-    platform = CountingPlatform(delay=0.6)
+    platform = SlowSyncPlatform(delay=0.6)
     try:
         with stack(settings, redis_client, tmp_path / "data") as s:
             s.worker(1)
@@ -186,7 +137,7 @@ def test_batches_queued_behind_a_busy_worker_longer_than_their_lease_are_called_
 
 def test_one_worker_process_holds_many_calls_in_flight(settings, redis_client, tmp_path):
     batches = 32
-    platform = CountingPlatform(delay=1.0)
+    platform = SlowSyncPlatform(delay=1.0)
     try:
         with stack(settings, redis_client, tmp_path / "data") as s:
             s.worker(16)
@@ -205,7 +156,7 @@ def test_one_worker_process_holds_many_calls_in_flight(settings, redis_client, t
 
 def test_target_max_in_flight_holds_across_worker_threads(settings, redis_client, tmp_path):
     batches = 12
-    platform = CountingPlatform(delay=0.5)
+    platform = SlowSyncPlatform(delay=0.5)
     try:
         with stack(settings, redis_client, tmp_path / "data") as s:
             s.worker(16)
@@ -222,7 +173,7 @@ def test_target_max_in_flight_holds_across_worker_threads(settings, redis_client
 def test_sigterm_lets_calls_in_flight_commit_and_releases_the_rest_unspent(
         settings, redis_client, tmp_path):
     batches = 16
-    platform = CountingPlatform(delay=2.0)
+    platform = SlowSyncPlatform(delay=2.0)
     try:
         with stack(settings, redis_client, tmp_path / "data") as s:
             proc = s.worker(4)
@@ -275,7 +226,7 @@ def test_queue_lease_of_a_dead_worker_expires_without_spending_an_attempt(settin
     again and again, spending nothing (maximum_attempts 1); the stale queued RQ jobs then start no call,
     and a worker finishes the job with one call per batch."""
     batches = 6
-    platform = CountingPlatform(delay=0.1)
+    platform = SlowSyncPlatform(delay=0.1)
     try:
         with stack(settings, redis_client, tmp_path / "data",
                    dispatch_queue_timeout=timedelta(milliseconds=400)) as s:
