@@ -7,9 +7,14 @@ Pure: no Flask, no RQ, no Redis. The gateway builds a :class:`StageCall` from th
 - ``Accepted``: the platform took the call and will post the answer to ``callback_url`` (callback mode).
 - ``Running``: the platform gave a run id to poll; the gateway calls ``poll(call, handle)`` later.
 
-Failures raise :class:`PlatformError` with a :class:`Retry` class from the contracts file:
-``RETRYABLE`` (always), ``IF_IDEMPOTENT`` (the flow may have run: retry only if the stage is idempotent),
-or ``FATAL``. Every error and outcome carries the platform's own ids (execution id, run id, debug_url,
+Failures raise :class:`PlatformError` with a :class:`Retry` class: ``RETRYABLE`` (always),
+``IF_IDEMPOTENT`` (the flow ran and failed, possibly after side effects: retry only if the stage is
+idempotent), ``UNKNOWN`` (the request was delivered but its outcome is unknown: a read timeout, a dropped
+connection, a 5xx from a gateway in front of a run that may go on; idempotent stages retry, others first
+try to learn the outcome from the platform ids, else fail as ``outcome_unknown``), or ``FATAL``. A failure
+that says the *target* is unavailable rather than this call failing (connection refused, DNS failure, 429,
+503, a webhook not registered yet while the platform boots) also sets ``outage``: the gateway then cools
+the target down and gives the batch back without spending an attempt. Every error and outcome carries the platform's own ids (execution id, run id, debug_url,
 log id) in ``platform_ids`` for the batch log.
 """
 
@@ -34,6 +39,7 @@ class Retry(enum.Enum):
 
     RETRYABLE = "retryable"
     IF_IDEMPOTENT = "retryable_if_idempotent"
+    UNKNOWN = "outcome_unknown"
     FATAL = "fatal"
 
 
@@ -42,7 +48,7 @@ class PlatformError(Exception):
 
     def __init__(self, message: str, retry: Retry, *, retry_after_s: float | None = None,
                  status: int | None = None, code: str | None = None,
-                 platform_ids: dict[str, str] | None = None) -> None:
+                 platform_ids: dict[str, str] | None = None, outage: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.retry = retry
@@ -50,10 +56,13 @@ class PlatformError(Exception):
         self.status = status
         self.code = code
         self.platform_ids = platform_ids or {}
+        #: the target is unavailable (not this call's own failure): cool the target down, spend no attempt
+        self.outage = outage
 
     def retryable_for(self, stage_idempotent: bool) -> bool:
         """Whether the gateway may try again, given the stage's idempotency."""
-        return self.retry is Retry.RETRYABLE or (self.retry is Retry.IF_IDEMPOTENT and stage_idempotent)
+        return self.retry is Retry.RETRYABLE or (
+            self.retry in (Retry.IF_IDEMPOTENT, Retry.UNKNOWN) and stage_idempotent)
 
 
 @dataclass(frozen=True)
