@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     sup.set_defaults(func=cmd_supervisor)
 
     worker = sub.add_parser("worker", help="RQ worker (with RQ's scheduler) running push-mode stages")
-    worker.add_argument("--burst", action="store_true", help="exit when the queue is empty")
+    worker.add_argument("--burst", action="store_true",
+                        help="exit once no job has work to start and nothing is in flight")
     worker.add_argument("--concurrency", type=int, default=None,
                         help="stage calls run at once in this process (threads; default "
                              "BATCHGATE_WORKER_CONCURRENCY, 1)")
@@ -177,24 +178,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    """RQ workers on the batchgate queue (JSON serializer, scheduler on): --concurrency N > 1 runs N
-    stage calls at once in threads (gateway/worker.py), 1 is RQ's forking worker; SIGTERM lets calls in
-    flight finish (within BATCHGATE_WORKER_GRACE) and gives the queued stage attempts back."""
+    """A push worker (gateway/worker.py): --concurrency N stage calls at once, fed from the ledger, and a
+    few RQ threads for polls; SIGTERM lets calls in flight finish within BATCHGATE_WORKER_GRACE."""
     _, settings = connect(Settings())  # NoLedgerRedis before anything else
     # dispatcher() reads the URL from the environment
     os.environ["BATCHGATE_REDIS_URL"] = settings.redis_url.get_secret_value()
     from gateway.dispatch import dispatcher
-    from gateway.worker import ConcurrentWorker, run_forking
+    from gateway.worker import PushWorker
 
     settings = Settings()
     concurrency = args.concurrency or settings.worker_concurrency
     if concurrency < 1:
         print("batchgate worker: --concurrency must be at least 1", file=sys.stderr)
         return 2
-    if concurrency == 1:
-        return run_forking(dispatcher().queue, args.burst, settings.log_level.upper())
-    worker = ConcurrentWorker(dispatcher().queue, concurrency, settings.worker_grace.total_seconds(),
-                              logging_level=settings.log_level.upper())
+    worker = PushWorker(dispatcher().queue, concurrency, settings.worker_grace.total_seconds(),
+                        logging_level=settings.log_level.upper())
     return worker.run(burst=args.burst)
 
 

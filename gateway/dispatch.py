@@ -1,12 +1,19 @@
-"""Push mode: batchgate triggers each platform stage itself, one RQ job per stage attempt.
+"""Push mode: batchgate triggers each platform stage itself.
 
-pump(job)       leases ready push-stage batches (within concurrency and per-target limits) and enqueues
-                ``run_stage`` for each, with the deterministic RQ job id ``bg-<job>-<seq>-<stage>-<attempt>``.
-run_stage(...)  takes a slot on the stage's target, builds the envelope, calls the connector, and acts on
-                the outcome: commit or fail through the ledger, wait for the callback, or schedule a poll.
-poll_stage(...) heartbeats the lease and polls the platform run.
+A ``batchgate worker`` process (gateway/worker.py) feeds its call threads straight from the ledger: it
+leases a ready push-stage batch only when one of its threads is free, so the lease clock starts when the
+call starts and no lease waits in a queue. Per batch:
 
-The ledger's lease token fences everything: a late worker, a duplicate RQ job or a callback that beat the
+feed            ``lease_next`` leases the next ready batch of a fed job whose target is open (not
+                cooling down, not full).
+run_leased      takes a slot on the stage's target (slot.lua: ``max_in_flight``, the circuit breaker),
+                starts the call in the ledger (begin.lua), calls the connector and acts on the outcome:
+                commit or fail through the ledger, wait for the callback, schedule a poll (RQ), or, when
+                the target is unavailable, give the batch back without spending an attempt and cool the
+                target down (outage.lua).
+poll_stage      (an RQ job, scheduled with ``enqueue_in``) heartbeats the lease and polls the platform run.
+
+The ledger's lease token fences everything: a late worker, a duplicate poll or a callback that beat the
 trigger's answer all end as 'stale' or 'duplicate' in the ledger and change nothing.
 """
 
@@ -16,6 +23,7 @@ import hashlib
 import logging
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -42,9 +50,9 @@ from gateway.embedded import client_for
 from gateway.errors import BatchgateError, JobCancelled, NotFound, StaleLease
 from gateway.flows import Stage
 from gateway.jobspec import JobSpec
-from gateway.ledger import ABSENT, Ledger, idempotency_key
+from gateway.ledger import ABSENT, Lease, Ledger, idempotency_key
 from gateway.outbound import session_for
-from gateway.records import loads_or_none
+from gateway.records import dumps, loads_or_none
 from gateway.security import sign
 from gateway.settings import Settings
 from gateway.urlguard import Allowlist, UnsafeURL, check_url
@@ -53,7 +61,10 @@ log = logging.getLogger(__name__)
 
 QUEUE_NAME = "batchgate"
 DEFAULT_TARGET_LIMIT = 8
-SLOT_WAIT = timedelta(milliseconds=500)
+#: The first wait before an unavailable target is tried again (it doubles up to outage_cooldown_max).
+OUTAGE_FIRST_COOLDOWN_MS = 1000
+#: Longest list of kicked job ids kept for the workers (older kicks add nothing).
+WAKE_LIST_MAX = 1000
 #: Set when this worker process is stopping (SIGTERM): no new pump, and a stage attempt dequeued now
 #: gives its lease back without a call (no attempt spent) instead of calling the platform.
 STOPPING = threading.Event()
@@ -93,7 +104,7 @@ class TokenlessQueue(Queue):
 
 @dataclass
 class Dispatcher:
-    """Push-mode operations for one process (API, worker or supervisor)."""
+    """Push-mode operations for one thread (a worker's feeder or call thread, the API, the supervisor)."""
 
     settings: Settings
     ledger: Ledger
@@ -112,79 +123,117 @@ class Dispatcher:
         # every trigger and poll goes through the outbound guard: checked addresses, checked redirect hops
         return cls(settings, ledger, queue, session_for(settings), Allowlist.parse(settings.outbound_allow))
 
-    # -- pump ------------------------------------------------------------------------------
-
-    def pump(self, job_id: str) -> int:
-        """Lease every push-stage batch that may start now and enqueue its attempt; returns how many.
-
-        The lease runs for ``dispatch_queue_timeout`` while the attempt waits in RQ's queue for a free
-        worker slot; begin.lua restarts it with the stage's lease when the call starts. A queue lease
-        that runs out (no worker for that long) is released without spending an attempt (expire.lua).
-        """
-        if STOPPING.is_set():
-            return 0
-        spec = self.ledger.spec(job_id)
-        queue_ms = int(self.settings.dispatch_queue_timeout.total_seconds() * 1000)
-        push = [i for i, s in enumerate(spec.flow.stages) if s.target is not None]
-        enqueued = 0
-        while push and enqueued < spec.flow.concurrency:
-            open_stages = [i for i in push if self._target_open(spec.flow.stages[i])]
-            lease = self.ledger.lease_stages(job_id, open_stages, lease_ms=queue_ms)
-            if lease is None:
-                break
-            self._enqueue_run(spec, lease.seq, lease.stage_index, lease.attempt, lease.lease_token)
-            enqueued += 1
-        return enqueued
-
-    def _target_open(self, stage: Stage) -> bool:
-        tid = target_id(stage.target)
-        r = self.ledger.r
-        if r.pttl(self.ledger.keys.target_cooldown(tid)) > 0:
-            return False
-        limit = stage.target.get("max_in_flight", DEFAULT_TARGET_LIMIT)
-        return r.zcount(self.ledger.keys.target_slots(tid), "(" + str(_now_ms(r)), "+inf") < limit
-
-    def _enqueue_run(self, spec: JobSpec, seq: int, stage: int, attempt: int, token: str,
-                     wait: int = 0) -> None:
-        job_id = f"bg-{spec.job_id}-{seq}-{stage}-{attempt}" + (f"-w{wait}" if wait else "")
-        timeout = int(spec.flow.stages[stage].timeout.total_seconds()) + 30
-        args = (spec.job_id, seq, stage, attempt, token, wait)
-        if wait:
-            self.queue.enqueue_in(SLOT_WAIT, run_stage, *args, job_id=job_id, job_timeout=timeout,
-                                  result_ttl=60, failure_ttl=86400)
-        else:
-            self.queue.enqueue(run_stage, *args, job_id=job_id, job_timeout=timeout, result_ttl=60,
-                               failure_ttl=86400)
+    # -- waking the workers -----------------------------------------------------------------
 
     def kick(self, job_id: str) -> None:
-        """Ask a worker to pump ``job_id`` soon (after a job is created or a callback commits)."""
-        self.queue.enqueue(pump_job, job_id, result_ttl=0, failure_ttl=3600)
+        """Tell the workers ``job_id`` may have work now (a job created, resumed, a callback committed):
+        it joins the fed jobs and its idle backoff ends."""
+        pipe = self.ledger.r.pipeline(transaction=False)
+        pipe.sadd(self.ledger.keys.push_jobs, job_id)
+        pipe.lpush(self.ledger.keys.push_wake, job_id)
+        pipe.ltrim(self.ledger.keys.push_wake, 0, WAKE_LIST_MAX - 1)
+        pipe.execute()
+
+    pump = kick  # the supervisor's and older callers' name for it
+
+    def woken(self) -> list[str]:
+        """Take the job ids kicked since the last look (one round trip)."""
+        pipe = self.ledger.r.pipeline(transaction=True)
+        pipe.lrange(self.ledger.keys.push_wake, 0, -1)
+        pipe.delete(self.ledger.keys.push_wake)
+        found, _ = pipe.execute()
+        return list(dict.fromkeys(found))
+
+    def fed_jobs(self, rescan: bool = False) -> list[str]:
+        """Job ids with push stages the workers feed. ``rescan`` also looks through the active set (jobs
+        created before a kick could register them, e.g. by an older version)."""
+        r, k = self.ledger.r, self.ledger.keys
+        if rescan:
+            for job_id in r.sdiff(k.active, k.push_jobs):
+                try:
+                    spec = self.ledger.spec(job_id)
+                except BatchgateError:
+                    continue
+                if any(s.target is not None for s in spec.flow.stages):
+                    r.sadd(k.push_jobs, job_id)
+        return sorted(r.smembers(k.push_jobs))
+
+    def drop_fed(self, job_id: str) -> None:
+        self.ledger.r.srem(self.ledger.keys.push_jobs, job_id)
+
+    # -- leasing -----------------------------------------------------------------------------
+
+    def open_stages(self, spec: JobSpec) -> list[int]:
+        """The job's push stages whose target may take a call now: breaker not cooling, not full."""
+        push = [i for i, s in enumerate(spec.flow.stages) if s.target is not None]
+        if not push:
+            return []
+        k = self.ledger.keys
+        now = int(time.time() * 1000)  # slot.lua decides on Redis's clock; this only skips the obvious
+        pipe = self.ledger.r.pipeline(transaction=False)
+        for i in push:
+            tid = target_id(spec.flow.stages[i].target)
+            pipe.hmget(k.target_breaker(tid), "until_ms", "probe_ms")
+            pipe.zcount(k.target_slots(tid), f"({now}", "+inf")
+        res = pipe.execute()
+        out = []
+        for n, i in enumerate(push):
+            until, probing = res[2 * n]
+            if until is not None and (int(until) > now or (probing and int(probing) > now)):
+                continue  # cooling down, or its one probe call is in flight
+            if res[2 * n + 1] >= spec.flow.stages[i].target.get("max_in_flight", DEFAULT_TARGET_LIMIT):
+                continue
+            out.append(i)
+        return out
+
+    def lease_next(self, job_id: str, stages: list[int]) -> Lease | None:
+        """Lease the next ready batch at one of the push ``stages``, with its stage's lease length: the
+        caller runs it at once (``run_leased``)."""
+        return self.ledger.lease_stages(job_id, stages)
+
+    def run_ready(self, job_id: str, limit: int = 10_000) -> int:
+        """Lease and run this job's ready push batches one after another in this thread (tools, tests);
+        returns how many calls ran."""
+        ran = 0
+        spec = self.ledger.spec(job_id)
+        while ran < limit:
+            lease = self.lease_next(job_id, self.open_stages(spec))
+            if lease is None:
+                return ran
+            self.run_leased(spec, lease)
+            ran += 1
+        return ran
 
     # -- one stage attempt -----------------------------------------------------------------
 
-    def run(self, job_id: str, seq: int, stage_idx: int, attempt: int, token: str, wait: int) -> None:
-        """Trigger one stage attempt and act on the platform's answer."""
-        spec = self.ledger.spec(job_id)
+    def run_leased(self, spec: JobSpec, lease: Lease) -> None:
+        """Trigger one leased stage attempt and act on the platform's answer."""
+        stage_idx, seq, token = lease.stage_index, lease.seq, lease.lease_token
         stage = spec.flow.stages[stage_idx]
-        holder = f"{job_id}:{seq}:{stage_idx}:{attempt}:{secrets.token_hex(4)}"
+        holder = f"{spec.job_id}:{seq}:{stage_idx}:{lease.attempt}:{secrets.token_hex(4)}"
         if STOPPING.is_set():  # this worker is stopping: the batch goes back, no call, no attempt spent
             self._begin(spec, stage, seq, stage_idx, token, mode="release")
             return
-        if not wait and not self._begin(spec, stage, seq, stage_idx, token, mode="claim"):
-            return  # off the queue: the stage's lease clock starts (a worker killed now costs no attempt)
-        if not self._take_slot(stage, holder):
-            self._wait_for_slot(spec, seq, stage_idx, attempt, token, wait)
+        granted = self._take_slot(stage, holder)
+        if granted not in ("ok", "probe"):  # the target filled up or began cooling since the lease
+            self._begin(spec, stage, seq, stage_idx, token, mode="release")
             return
         try:
             if not self._begin(spec, stage, seq, stage_idx, token):
                 return
-            call = self._call(spec, stage, seq, stage_idx, attempt, token)
-            if call is None:
-                return
+            call = self._call_for(spec, stage, lease)
             outcome = self._guarded(call, stage, lambda: self._connector(stage).trigger(call, self.session))
         finally:
-            self.ledger.r.zrem(self.ledger.keys.target_slots(target_id(stage.target)), holder)
-        self._act(spec, stage, call, seq, stage_idx, token, outcome)
+            self._durably(stage, lambda: self.ledger.r.zrem(
+                self.ledger.keys.target_slots(target_id(stage.target)), holder))
+        self._durably(stage, lambda: self._act(spec, stage, call, seq, stage_idx, token, outcome,
+                                               probe=granted == "probe"))
+
+    def run(self, job_id: str, seq: int, stage_idx: int, attempt: int, token: str, wait: int = 0) -> None:
+        """A stage attempt enqueued by an older version (RQ ``run_stage``): give its lease back unspent;
+        the workers' feeder leases it again and calls it."""
+        spec = self.ledger.spec(job_id)
+        self._begin(spec, spec.flow.stages[stage_idx], seq, stage_idx, token, mode="release")
 
     def poll(self, job_id: str, seq: int, stage_idx: int, attempt: int, token: str,
              handle: dict[str, Any]) -> None:
@@ -193,8 +242,7 @@ class Dispatcher:
         stage = spec.flow.stages[stage_idx]
         if self.ledger.r.hget(self.ledger.keys.job(job_id).job, "status") == "held":
             # record-only recovery: no call runs for a held job; ask again later, lease untouched
-            self.queue.enqueue_in(stage.poll_interval, poll_stage, job_id, seq, stage_idx, attempt,
-                                  token, handle, result_ttl=60, failure_ttl=86400)
+            self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, handle)
             return
         try:
             self.ledger.heartbeat(job_id, seq, token)
@@ -204,7 +252,34 @@ class Dispatcher:
         if call is None:
             return
         outcome = self._guarded(call, stage, lambda: self._connector(stage).poll(call, handle, self.session))
-        self._act(spec, stage, call, seq, stage_idx, token, outcome)
+        if isinstance(outcome, PlatformError) and (outcome.outage or outcome.retry is Retry.RETRYABLE):
+            # the run goes on where it runs; a poll that could not ask is not the run's failure
+            self.ledger.note(job_id, "poll_failed", seq=seq, stage=stage.name, attempt=attempt,
+                             error=outcome.message[:500])
+            self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, handle)
+            return
+        self._durably(stage, lambda: self._act(spec, stage, call, seq, stage_idx, token, outcome))
+
+    def _schedule_poll(self, spec: JobSpec, stage: Stage, seq: int, stage_idx: int, attempt: int,
+                       token: str, handle: dict[str, Any]) -> None:
+        self.queue.enqueue_in(stage.poll_interval, poll_stage, spec.job_id, seq, stage_idx, attempt,
+                              token, handle, result_ttl=60, failure_ttl=86400)
+
+    def _durably(self, stage: Stage, fn: Any) -> Any:
+        """Run ``fn`` (ledger writes after a call), retrying while Redis is unreachable (a restart): a
+        platform's answer is kept in this process until Redis takes it, for up to the stage's lease,
+        rather than lost and paid for again."""
+        give_up = time.monotonic() + max(stage.lease.total_seconds(), 5.0)
+        pause = 0.2
+        while True:
+            try:
+                return fn()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if time.monotonic() > give_up:
+                    raise
+                log.warning("redis unavailable (%s); retrying in %.1f s", type(exc).__name__, pause)
+                time.sleep(pause)
+                pause = min(pause * 2, 2.0)
 
     def _begin(self, spec: JobSpec, stage: Stage, seq: int, stage_idx: int, token: str,
                mode: str = "") -> bool:
@@ -221,22 +296,14 @@ class Dispatcher:
         log.info("call not started job_id=%s seq=%s: %s", spec.job_id, seq, "/".join(map(str, res)))
         return False
 
-    def _take_slot(self, stage: Stage, holder: str) -> bool:
+    def _take_slot(self, stage: Stage, holder: str) -> str:
         tid = target_id(stage.target)
         k = self.ledger.keys
         lifetime_ms = int(stage.timeout.total_seconds() * 1000) + 5000
-        res = self.ledger.scripts.slot(keys=[k.target_slots(tid), k.target_cooldown(tid)],
+        res = self.ledger.scripts.slot(keys=[k.target_slots(tid), k.target_breaker(tid)],
                                        args=[stage.target.get("max_in_flight", DEFAULT_TARGET_LIMIT),
                                              holder, lifetime_ms])
-        return res[0] == "ok"
-
-    def _wait_for_slot(self, spec: JobSpec, seq: int, stage_idx: int, attempt: int, token: str,
-                       wait: int) -> None:
-        try:
-            self.ledger.heartbeat(spec.job_id, seq, token)
-        except (StaleLease, NotFound, JobCancelled):
-            return
-        self._enqueue_run(spec, seq, stage_idx, attempt, token, wait + 1)
+        return str(res[0])
 
     def _connector(self, stage: Stage) -> Connector:
         return connectors.get_connector(stage.target["type"])
@@ -253,11 +320,15 @@ class Dispatcher:
         except UnsafeURL as exc:
             return PlatformError(exc.detail, Retry.FATAL)
         except PlatformError as exc:
-            if exc.retry_after_s or exc.status == 429:
-                cooldown_ms = int((exc.retry_after_s or 1.0) * 1000)
-                self.ledger.r.set(self.ledger.keys.target_cooldown(target_id(stage.target)), "1",
-                                  px=max(cooldown_ms, 1))
+            if exc.status == 429 or (exc.retry_after_s and exc.retry is Retry.RETRYABLE):
+                exc.outage = True  # the target asked us to slow down: wait for it, spend no attempt
             return exc
+
+    def _call_for(self, spec: JobSpec, stage: Stage, lease: Lease) -> StageCall:
+        """The StageCall for a fresh lease (its items, cursor and input came with the lease)."""
+        batch = {"start_cursor": dumps(lease.cursor), f"out:{lease.stage_index - 1}": dumps(lease.input)}
+        return self._stage_call(spec, stage, batch, lease.seq, lease.stage_index, lease.attempt,
+                                lease.lease_token, items=lease.items)
 
     def _call(self, spec: JobSpec, stage: Stage, seq: int, stage_idx: int, attempt: int,
               token: str) -> StageCall | None:
@@ -268,7 +339,12 @@ class Dispatcher:
             return None
         if batch.get("status") != "leased" or batch.get("lease_token") != token:
             return None
-        envelope = self._envelope(spec, stage, batch, seq, stage_idx, attempt, token)
+        items = loads_or_none(self.ledger.r.get(self.ledger.keys.job(spec.job_id).items(seq)))
+        return self._stage_call(spec, stage, batch, seq, stage_idx, attempt, token, items=items)
+
+    def _stage_call(self, spec: JobSpec, stage: Stage, batch: dict[str, str], seq: int, stage_idx: int,
+                    attempt: int, token: str, items: Any) -> StageCall:
+        envelope = self._envelope(spec, stage, batch, seq, stage_idx, attempt, token, items)
         names = {k: v for k, v in stage.target.items() if k.endswith("_secret") and isinstance(v, str)}
         # the job's tenant's own secrets, then the shared "*" ones; never another tenant's
         resolved = {k: value for k, v in names.items()
@@ -278,9 +354,7 @@ class Dispatcher:
                          signing_key=self.settings.signing_secret(), idempotent=stage.idempotent)
 
     def _envelope(self, spec: JobSpec, stage: Stage, batch: dict[str, str], seq: int, stage_idx: int,
-                  attempt: int, token: str) -> dict[str, Any]:
-        k = self.ledger.keys.job(spec.job_id)
-        items_raw = self.ledger.r.get(k.items(seq))
+                  attempt: int, token: str, items: Any) -> dict[str, Any]:
         ttl_s = stage.lease.total_seconds() + self.settings.callback_grace.total_seconds()
         base = self.settings.base_url()
         key = self.settings.signing_secret()
@@ -290,11 +364,11 @@ class Dispatcher:
             "cursor": loads_or_none(batch.get("start_cursor")),
             "input": loads_or_none(batch.get(f"out:{stage_idx - 1}")), "params": spec.params,
         }
-        if items_raw and len(items_raw.encode()) > self.settings.inline_max_bytes:
+        if items is not None and len(dumps(items).encode()) > self.settings.inline_max_bytes:
             blob = sign({"j": spec.job_id, "s": seq}, key, "blob", ttl_s)
             env["items"], env["items_url"] = None, f"{base}/v1/blobs/{blob}"
         else:
-            env["items"] = loads_or_none(items_raw)
+            env["items"] = items
         if stage.target.get("mode") == "callback":
             cb = sign({"j": spec.job_id, "s": seq, "st": stage_idx, "a": attempt, "t": token}, key,
                       "callback", ttl_s)
@@ -302,31 +376,70 @@ class Dispatcher:
         return env
 
     def _act(self, spec: JobSpec, stage: Stage, call: StageCall, seq: int, stage_idx: int, token: str,
-             outcome: Outcome | PlatformError) -> None:
+             outcome: Outcome | PlatformError, probe: bool = False) -> None:
         job_id, attempt = spec.job_id, call.envelope["attempt"]
         where = {"seq": seq, "stage": stage.name, "attempt": attempt}
+        tid = target_id(stage.target)
         try:
+            if isinstance(outcome, PlatformError) and outcome.outage and (
+                    outcome.retry is Retry.RETRYABLE or stage.idempotent):
+                self._outage(spec, stage, seq, stage_idx, token, outcome)
+                return
+            if probe:
+                self._target_ok(tid)  # the target answered (whatever it said): its breaker closes
             if isinstance(outcome, PlatformError):
                 self.ledger.note(job_id, "platform_error", **where, error=outcome.message[:500],
                                  retry=outcome.retry.value, status=outcome.status, code=outcome.code,
                                  **outcome.platform_ids)
                 delay = timedelta(seconds=outcome.retry_after_s) if outcome.retry_after_s else None
+                error_type = outcome.code
+                if outcome.retry is Retry.UNKNOWN and not stage.idempotent:
+                    error_type = "outcome_unknown"
                 self.ledger.fail(job_id, seq, token, outcome.message,
                                  retryable=outcome.retryable_for(stage.idempotent),
-                                 error_type=outcome.code, actor="dispatcher", min_delay=delay)
+                                 error_type=error_type, actor="dispatcher", min_delay=delay)
             elif isinstance(outcome, Done):
-                self.ledger.note(job_id, "platform_answered", **where, **outcome.platform_ids)
+                if outcome.platform_ids:
+                    self.ledger.note(job_id, "platform_answered", **where, **outcome.platform_ids)
                 commit_answer(self.ledger, spec, stage, seq, token, outcome.answer)
             elif isinstance(outcome, Accepted):
                 self.ledger.note(job_id, "awaiting_callback", **where, **outcome.platform_ids)
             elif isinstance(outcome, Running):
                 self.ledger.note(job_id, "platform_running", **where, **outcome.platform_ids)
-                self.queue.enqueue_in(stage.poll_interval, poll_stage, job_id, seq, stage_idx, attempt,
-                                      token, outcome.handle, result_ttl=60, failure_ttl=86400)
+                self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, outcome.handle)
         except (StaleLease, NotFound, JobCancelled):
             log.info("answer dropped: lease no longer current job_id=%s seq=%s attempt=%s",
                      job_id, seq, attempt)
-        self.pump(job_id)
+
+    def _outage(self, spec: JobSpec, stage: Stage, seq: int, stage_idx: int, token: str,
+                err: PlatformError) -> None:
+        """The target is unavailable: the batch waits for it (no attempt spent), the target cools down,
+        the job shows why; a target down past ``outage_pause_after`` pauses the job."""
+        k, keys = self.ledger.keys.job(spec.job_id), self.ledger.keys
+        tid = target_id(stage.target)
+        parts = urlsplit(stage.target.get("url") or stage.target.get("base_url") or "")
+        label = f"{parts.scheme}://{parts.netloc}"
+        res = self.ledger.scripts.outage(
+            keys=[k.job, k.batch(seq), k.leases, k.ready(stage_idx), k.log, k.audit,
+                  keys.target_breaker(tid), keys.target_waiting(tid)],
+            args=[token, err.message[:500], int((err.retry_after_s or 0) * 1000), OUTAGE_FIRST_COOLDOWN_MS,
+                  int(self.settings.outage_cooldown_max.total_seconds() * 1000),
+                  int(self.settings.outage_pause_after.total_seconds() * 1000), self.settings.log_maxlen,
+                  label, spec.job_id])
+        if res[0] == "waiting":
+            log.warning("target %s unavailable (%s): job_id=%s seq=%s waits until %s, no attempt spent",
+                        label, err.message[:200], spec.job_id, seq, res[1])
+        else:
+            log.info("outage not recorded job_id=%s seq=%s: %s", spec.job_id, seq, "/".join(map(str, res)))
+
+    def _target_ok(self, tid: str) -> None:
+        """A probe got an answer: close the target's breaker and clear the jobs' waiting reason."""
+        r, keys = self.ledger.r, self.ledger.keys
+        waiting = r.smembers(keys.target_waiting(tid))
+        r.delete(keys.target_breaker(tid), keys.target_waiting(tid))
+        for job_id in waiting:
+            self.ledger.clear_waiting(job_id)
+        log.info("target %s answers again; %d jobs no longer waiting", tid, len(waiting))
 
 
 def commit_answer(ledger: Ledger, spec: JobSpec, stage: Stage, seq: int, token: str,
@@ -339,28 +452,34 @@ def commit_answer(ledger: Ledger, spec: JobSpec, stage: Stage, seq: int, token: 
     return ledger.complete(spec.job_id, seq, token, answer.output, next_cursor)
 
 
-def _now_ms(r: redis.Redis) -> int:
-    sec, usec = r.time()
-    return sec * 1000 + usec // 1000
-
-
 # -- RQ entry points (importable by name; arguments are JSON) -----------------------------------
 
 _LOCAL = threading.local()
 _DISPATCHER: Dispatcher | None = None  # a process-wide override (tests run RQ jobs in-process)
+_SHARED: dict[str, Any] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 def dispatcher() -> Dispatcher:
     """This thread's Dispatcher, built once per thread from the environment.
 
     A worker runs several stage calls at once in threads (gateway/worker.py); each thread has its own
-    HTTP session and Redis clients, so nothing in a Dispatcher is shared between concurrent calls.
+    HTTP session and RQ queue client. The settings and the Ledger (a thread-safe Redis connection pool
+    and the spec cache, locked) are the process's one copy: a cache per thread would hold up to
+    its bound in every thread.
     """
     if _DISPATCHER is not None:
         return _DISPATCHER
     d = getattr(_LOCAL, "dispatcher", None)
     if d is None:
-        d = _LOCAL.dispatcher = Dispatcher.build(Settings())
+        with _SHARED_LOCK:
+            if "ledger" not in _SHARED:
+                settings = Settings()
+                url = settings.redis_url.get_secret_value() if settings.redis_url else None
+                if url is None:
+                    raise RuntimeError("push mode needs BATCHGATE_REDIS_URL (set by `batchgate up`)")
+                _SHARED["settings"], _SHARED["ledger"] = settings, Ledger(client_for(url), settings)
+        d = _LOCAL.dispatcher = Dispatcher.build(_SHARED["settings"], _SHARED["ledger"])
     return d
 
 

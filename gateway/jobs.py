@@ -124,6 +124,11 @@ class JobService:
             "error": job.get("error") or None,
             "held_reason": job.get("held_reason") or None,
             "source_error": job.get("src_error") or None,
+            # batches waiting for an unavailable platform target (no attempt spent while they wait)
+            "waiting": {"reason": job["waiting"], "target": job.get("waiting_target") or None,
+                        "since_ms": int(job.get("waiting_since_ms") or 0) or None,
+                        "retry_at_ms": int(job.get("waiting_until_ms") or 0) or None}
+            if job.get("waiting") else None,
             "created_ms": created,
             "updated_ms": updated,
             "finished_ms": int(job["finished_ms"]) if job.get("finished_ms") else None,

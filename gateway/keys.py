@@ -30,7 +30,11 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
 ``<p>:idem:<tenant>:<sha256>``        hash    Idempotency-Key record; TTL ``idempotency_ttl``
 ``<p>:idemclaim:<tenant>:<sha256>``   string  first claim of that key (request fingerprint)
 ``<p>:target:<id>:slots``             zset    calls in flight to one platform target; score = expiry
-``<p>:target:<id>:cooldown``          string  set while a target asked us to back off (Retry-After)
+``<p>:target:<id>:breaker``           hash    an open circuit breaker: the target is unavailable
+                                              (since_ms, until_ms, fails, error, probe_ms); outage.lua
+``<p>:target:<id>:waiting``           set     job ids with batches waiting for that target to answer
+``<p>:push:jobs``                     set     job ids with push stages the workers feed (kick adds)
+``<p>:push:wake``                     list    job ids whose work may be ready now (kick pushes)
 ===================================  ======  ===============================================
 """
 
@@ -130,8 +134,19 @@ class Keys:
     def target_slots(self, target_id: str) -> str:
         return f"{self.prefix}:target:{target_id}:slots"
 
-    def target_cooldown(self, target_id: str) -> str:
-        return f"{self.prefix}:target:{target_id}:cooldown"
+    def target_breaker(self, target_id: str) -> str:
+        return f"{self.prefix}:target:{target_id}:breaker"
+
+    def target_waiting(self, target_id: str) -> str:
+        return f"{self.prefix}:target:{target_id}:waiting"
+
+    @property
+    def push_jobs(self) -> str:
+        return f"{self.prefix}:push:jobs"
+
+    @property
+    def push_wake(self) -> str:
+        return f"{self.prefix}:push:wake"
 
     def idempotency_claim(self, tenant: str, key: str) -> str:
         digest = hashlib.sha256(key.encode()).hexdigest()

@@ -440,6 +440,11 @@ class Ledger(ControlOps):
                 out.append((int(seq), res[0]))
         return out
 
+    def clear_waiting(self, job_id: str) -> None:
+        """The target the job waited on answers again: its ``waiting`` reason goes (unwait.lua)."""
+        k = self.keys.job(job_id)
+        self.scripts.unwait(keys=[k.job, k.log], args=[self.settings.log_maxlen])
+
     def note(self, job_id: str, event: str, **fields: Any) -> None:
         """Append an event (platform ids, call outcomes) to the job's capped log."""
         entry = {"event": event, **{k: v if isinstance(v, str) else dumps(v)

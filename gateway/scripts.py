@@ -10,7 +10,7 @@ from redis.commands.core import Script
 
 OPERATIONS = (
     "plan", "lease", "heartbeat", "complete", "fail", "expire", "reopen", "replan", "set_status", "selfcheck",
-    "slot", "cancel", "begin", "source_fail",
+    "slot", "cancel", "begin", "source_fail", "outage", "unwait",
 )
 
 
@@ -38,6 +38,8 @@ class Scripts:
     cancel: Script
     begin: Script
     source_fail: Script
+    outage: Script
+    unwait: Script
 
     @classmethod
     def register(cls, client: redis.Redis) -> Scripts:

@@ -72,13 +72,16 @@ class Settings(BaseSettings):
         default=timedelta(seconds=30), description="a URL source read fails (retryable) after this long "
         "without a byte")
     callback_grace: timedelta = timedelta(hours=1)
-    dispatch_queue_timeout: timedelta = Field(
-        default=timedelta(seconds=60), description="a push-stage batch leased for dispatch waits this "
-        "long for a worker to take its RQ job; past it the lease is released without spending an attempt "
-        "and leased again (a stale queued job then calls nothing), which also recovers a job lost when "
-        "a worker died between leasing and enqueuing")
+    outage_pause_after: timedelta = Field(
+        default=timedelta(minutes=10), description="a push target unavailable this long (refusing "
+        "connections, 429/503, webhooks not registered) pauses the jobs waiting on it, with the reason; "
+        "until then their batches wait without spending attempts")
+    outage_cooldown_max: timedelta = Field(
+        default=timedelta(seconds=30), description="longest wait between probes of an unavailable "
+        "target (the wait doubles from 1 s)")
     worker_concurrency: int = Field(
-        default=1, ge=1, le=1024, description="stage calls one `batchgate worker` process runs at once")
+        default=16, ge=1, le=1024, description="stage calls one `batchgate worker` process runs at once "
+        "(threads; `batchgate up` starts 64)")
     worker_grace: timedelta = Field(
         default=timedelta(seconds=30), description="after SIGTERM, how long a worker lets its in-flight "
         "calls finish before it exits")
@@ -104,7 +107,7 @@ class Settings(BaseSettings):
         return value
 
     @field_validator("idempotency_ttl", "supervisor_interval", "callback_grace", "source_read_timeout",
-                     "dispatch_queue_timeout", "worker_grace", mode="before")
+                     "outage_pause_after", "outage_cooldown_max", "worker_grace", mode="before")
     @classmethod
     def _seconds(cls, value: object) -> object:
         """Durations from the environment may be plain seconds ("0.2") or ISO 8601 ("PT24H")."""

@@ -48,7 +48,7 @@ def start_and_trigger(api, settings, redis_client, platform):
     ledger = Ledger(redis_client, settings)
     d = Dispatcher.build(settings, ledger)
     lease = ledger.lease_stages(job_id, [0])
-    d.run(job_id, lease.seq, 0, lease.attempt, lease.lease_token, 0)
+    d.run_leased(ledger.spec(job_id), lease)
     return job_id, platform.requests[-1]
 
 
@@ -139,9 +139,11 @@ def test_a_429_cools_the_whole_target_down(push, make_job):
             {"name": "process", "retry": {"initial_interval": 0.05},
              "target": {"type": "http", "url": platform.url, "mode": "sync"}}])
         lease = ledger.lease_stages(job_id, [0])
-        dispatcher.run(job_id, lease.seq, 0, lease.attempt, lease.lease_token, 0)
+        dispatcher.run_leased(ledger.spec(job_id), lease)
         calls = len(platform.requests)
-        assert dispatcher.pump(job_id) == 0  # every batch for this target waits out the Retry-After
+        assert dispatcher.run_ready(job_id) == 0  # every batch for this target waits out the Retry-After
         assert len(platform.requests) == calls
         batch = ledger.batch_record(job_id, lease.seq)
         assert batch["status"] == "pending" and int(batch["ready_ms"]) - int(time.time() * 1000) > 1000
+        # a 429 is the target's state, not the batch's failure: no attempt is spent on it
+        assert int(batch["attempt"]) - int(batch.get("unspent") or 0) == 0

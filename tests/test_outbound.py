@@ -405,7 +405,7 @@ def run_first_attempt(settings, redis_client, make_job, allow: list[str], url: s
         {"name": "process", "retry": {"initial_interval": 0.05, "maximum_attempts": 1},
          "target": push_target(url)}])
     lease = ledger.lease_stages(job_id, [0])
-    dispatcher.run(job_id, lease.seq, 0, lease.attempt, lease.lease_token, 0)
+    dispatcher.run_leased(ledger.spec(job_id), lease)
     events = [f for _, f in ledger.r.xrange(ledger.keys.job(job_id).log)]
     return ledger.batch_record(job_id, lease.seq), events
 

@@ -73,16 +73,21 @@ def http_flow(url: str, secret: str | None, fid: str = "f", version: str = "1", 
 
 
 def run_push(stack: Stack, monkeypatch) -> None:
-    """Run every queued RQ job (pumps, stage attempts) in this process until the queue is empty."""
+    """Run every fed job's ready stage calls, then every queued RQ job (polls), in this process."""
     monkeypatch.setattr(gateway.dispatch, "_DISPATCHER", stack.dispatcher)
+    for job_id in stack.dispatcher.fed_jobs(rescan=True):
+        stack.dispatcher.run_ready(job_id)
     queue = stack.dispatcher.queue
     SimpleWorker([queue], connection=queue.connection, serializer=JSONSerializer).work(burst=True)
 
 
-def queued_lease_tokens(stack: Stack) -> list[str]:
-    """The lease tokens the queued stage attempts carry (RQ args: job, seq, stage, attempt, token, ...)."""
-    jobs = stack.dispatcher.queue.get_jobs()
-    return [job.args[4] for job in jobs if job.func_name.endswith(("run_stage", "poll_stage"))]
+def committed_lease_tokens(stack: Stack, job_id: str, batches: int) -> list[str]:
+    """The lease tokens the job's calls ran under (each batch keeps its committing one: "attempt token")."""
+    out = []
+    for seq in range(batches):
+        record = stack.ledger.batch_record(job_id, seq)
+        out += [v.split(" ", 1)[1] for k, v in record.items() if k.startswith("c:") and " " in v]
+    return out
 
 
 def auths(platform: FakeHttpPlatform) -> set[str | None]:
@@ -279,16 +284,19 @@ def test_rq_jobs_and_worker_logs_carry_no_lease_token(stack, monkeypatch, caplog
         flow = http_flow(platform.url, "acme_key", count=6)
         assert stack.acme.post("/v1/flows", json=flow).status_code == 201
         job_id = stack.acme.post("/v1/jobs", json={"flow_id": "f"}).json()["job_id"]
-        assert stack.dispatcher.pump(job_id) == 3
-        tokens = queued_lease_tokens(stack)
-        assert len(tokens) == 3
-        descriptions = [j.description for j in stack.dispatcher.queue.get_jobs()]
         run_push(stack, monkeypatch)
-    assert f"run_stage {job_id} 0 0 1" in descriptions
+        # a poll is an RQ job whose arguments hold a lease token: its description must not
+        spec = stack.ledger.spec(job_id)
+        stack.dispatcher._schedule_poll(spec, spec.flow.stages[0], 0, 0, 1, "lease-tok-9f2c71", {"run": 1})
+        queue = stack.dispatcher.queue
+        descriptions = [queue.fetch_job(i).description for i in queue.scheduled_job_registry.get_job_ids()]
+    tokens = committed_lease_tokens(stack, job_id, 3)
+    assert len(tokens) == 3
+    assert descriptions == [f"poll_stage {job_id} 0 0 1"]
     assert stack.acme.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded"
     logged = caplog.text + "\n".join(descriptions)
-    assert "run_stage" in caplog.text  # RQ did log the jobs it ran, by their description
-    for secret in (*tokens, ACME_KEY, SIGNING_KEY):
+    assert "stage" in caplog.text  # the calls were logged at DEBUG
+    for secret in (*tokens, "lease-tok-9f2c71", ACME_KEY, SIGNING_KEY):
         assert secret not in logged
 
 
@@ -297,18 +305,18 @@ def test_batchgate_worker_reads_its_config_file_and_logs_no_token(stack, redis_s
     with FakeHttpPlatform(auth=f"Bearer {ACME_KEY}") as platform:
         assert stack.acme.post("/v1/flows", json=http_flow(platform.url, "acme_key")).status_code == 201
         job_id = stack.acme.post("/v1/jobs", json={"flow_id": "f"}).json()["job_id"]
-        stack.dispatcher.pump(job_id)
-        tokens = queued_lease_tokens(stack)
         env = procs.child_env(stack.settings, redis_server.url, stack.settings.token_map())
         env.update(BATCHGATE_LOG_LEVEL="DEBUG", BATCHGATE_PUBLIC_URL=stack.settings.base_url(),
                    BATCHGATE_OUTBOUND_ALLOW='["127.0.0.1/32"]')
         result = subprocess.run([sys.executable, "-m", "gateway.cli", "worker", "--burst"], env=env,
                                 capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert tokens and auths(platform) == {f"Bearer {ACME_KEY}"}  # the secret came from the file
+    assert auths(platform) == {f"Bearer {ACME_KEY}"}  # the secret came from the file
     assert stack.acme.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded"
+    tokens = committed_lease_tokens(stack, job_id, 2)
+    assert len(tokens) == 2
     output = result.stdout + result.stderr
-    assert "run_stage" in output
+    assert f"job_id={job_id}" in output or job_id in output  # it did log its work
     for secret in (*tokens, ACME_KEY, SIGNING_KEY, TOKEN):
         assert secret not in output
 

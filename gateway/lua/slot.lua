@@ -1,12 +1,28 @@
 -- slot.lua: take a slot for one call in flight to a platform target, unless it is full or cooling down.
--- KEYS[1] target slots zset   KEYS[2] target cooldown string
+-- KEYS[1] target slots zset   KEYS[2] target breaker hash (outage.lua)
 -- ARGV[1] limit   ARGV[2] holder id   ARGV[3] slot lifetime (ms; a crashed holder's slot frees itself)
--- Returns {'ok'} | {'full'} | {'cooldown', remaining ms}
--- Invariant: at most <limit> calls to one target are in flight, across every worker process.
-local cooling = redis.call('PTTL', KEYS[2])
-if cooling > 0 then return {'cooldown', cooling} end
+-- Returns {'ok'} | {'probe'} | {'full'} | {'cooldown', remaining ms}
+-- An open breaker (until_ms set) refuses every call until its cooldown is over, then lets exactly one
+-- call through as a probe ({'probe'}; probe_ms marks it for the slot's lifetime). The probe's caller
+-- closes the breaker when the target answers (Dispatcher._target_ok) or outage.lua cools it down again.
+-- Invariant: at most <limit> calls to one target are in flight, across every worker process; at most
+-- one while its breaker is open.
 local now = now_ms()
+local b = redis.call('HMGET', KEYS[2], 'until_ms', 'probe_ms')
+local probe = false
+if b[1] then
+  local until_ms = tonumber(b[1])
+  if until_ms > now then return {'cooldown', until_ms - now} end
+  local probing = tonumber(b[2] or '')
+  if probing and probing > now then return {'cooldown', probing - now} end
+  redis.call('HSET', KEYS[2], 'probe_ms', now + tonumber(ARGV[3]))
+  probe = true
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return {'full'} end
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then
+  if probe then redis.call('HDEL', KEYS[2], 'probe_ms') end
+  return {'full'}
+end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+if probe then return {'probe'} end
 return {'ok'}
