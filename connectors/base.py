@@ -14,10 +14,11 @@ connection, a 5xx from a gateway in front of a run that may go on; idempotent st
 try to learn the outcome from the platform ids, else fail as ``outcome_unknown``), or ``FATAL``. A failure
 that says the *target* is unavailable rather than this call failing (connection refused, DNS failure, 429,
 503, a webhook not registered yet while the platform boots) also sets ``outage``: the gateway then cools
-the target down and gives the batch back without spending an attempt. Every error and outcome carries the platform's own ids (execution id, run id, debug_url,
-log id) in ``platform_ids`` for the batch log. An ``UNKNOWN`` error that comes with a run id the platform
-gave also carries ``handle``: exactly the dict ``poll(call, handle, session)`` accepts, so the gateway can
-learn the outcome by polling instead of running the flow again.
+the target down and gives the batch back without spending an attempt. Every error and outcome carries the
+platform's own ids (execution id, run id, debug_url, log id) in ``platform_ids`` for the batch log. An
+``UNKNOWN`` error that comes with a run id the platform gave also carries ``handle``: exactly the dict
+``poll(call, handle, session)`` accepts, so the gateway can learn the outcome by polling instead of running
+the flow again.
 
 Long calls show life through ``StageCall.on_progress`` (a Dify event stream calls it on every event, ping
 included, at most once a second), where the gateway heartbeats the lease.
@@ -30,8 +31,8 @@ import hashlib
 import hmac
 import json
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import requests

@@ -55,7 +55,8 @@ FATAL_CODES = frozenset({"invalid_param", "app_unavailable", "model_currently_no
                          "workflow_not_found", "draft_workflow_error", "workflow_id_format_error",
                          # current Dify: a draft or malformed workflow_id is werkzeug's BadRequest, an unknown
                          # one NotFound, a pinned version on a free Cloud plan 403
-                         "bad_request", "not_found", "not_workflow_app", "workflow_version_execution_not_allowed"})
+                         "bad_request", "not_found", "not_workflow_app",
+                         "workflow_version_execution_not_allowed"})
 FATAL_CODE_PREFIXES = ("provider_",)
 # completion_request_error wraps a model call's InvokeError (timeout, connection, server error) raised out
 # of a run that had started: the run failed and may have had side effects before it
@@ -184,7 +185,8 @@ def _run_outcome(data: Any, pids: dict[str, str], call: StageCall) -> Outcome:
     if status == "stopped":
         raise PlatformError(f"dify run {run_id} was stopped", Retry.FATAL, platform_ids=pids)
     if status in UNVERIFIED.paused_statuses:
-        raise PlatformError(f"dify run {run_id} is {status}: {WAITING_FOR_INPUT}", Retry.FATAL, platform_ids=pids)
+        raise PlatformError(f"dify run {run_id} is {status}: {WAITING_FOR_INPUT}", Retry.FATAL,
+                            platform_ids=pids)
     if status in UNVERIFIED.running_statuses:
         if not run_id:
             raise PlatformError(f"dify run is {status} but gave no workflow_run_id to poll", Retry.FATAL,
@@ -251,8 +253,8 @@ def _read_stream(resp: requests.Response, call: StageCall) -> Outcome:
             progress()
             if event is None:  # a ping or another frame without data
                 if "workflow_run_id" not in pids and time.monotonic() > started_by:
-                    raise PlatformError(f"dify sent no workflow_started within {call.timeout_s:g} s; the request "
-                                        f"was delivered, so a run may have started", Retry.UNKNOWN,
+                    raise PlatformError(f"dify sent no workflow_started within {call.timeout_s:g} s; the "
+                                        f"request was delivered, so a run may have started", Retry.UNKNOWN,
                                         platform_ids=pids)
                 continue
             pids.update(ids(workflow_run_id=event.get("workflow_run_id"), task_id=event.get("task_id")))
@@ -264,8 +266,8 @@ def _read_stream(resp: requests.Response, call: StageCall) -> Outcome:
             elif kind == UNVERIFIED.error_event:
                 raise _event_error(event, call, pids)
             elif kind in UNVERIFIED.paused_events:
-                raise PlatformError(f"dify run {pids.get('workflow_run_id')} paused ({kind}): {WAITING_FOR_INPUT}",
-                                    Retry.FATAL, platform_ids=pids)
+                raise PlatformError(f"dify run {pids.get('workflow_run_id')} paused ({kind}): "
+                                    f"{WAITING_FOR_INPUT}", Retry.FATAL, platform_ids=pids)
     except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
         return _stream_broke(call, pids, exc)
     return _stream_broke(call, pids, None)
@@ -277,8 +279,8 @@ def _stream_broke(call: StageCall, pids: dict[str, str], exc: BaseException | No
     if run_id:
         return Running({"run_id": run_id}, pids)
     if exc is None:
-        raise PlatformError("dify event stream ended before workflow_started; the request was delivered, so a "
-                            "run may have started", Retry.UNKNOWN, platform_ids=pids)
+        raise PlatformError("dify event stream ended before workflow_started; the request was delivered, so "
+                            "a run may have started", Retry.UNKNOWN, platform_ids=pids)
     raise delivered_error(call, PLATFORM, exc, platform_ids=pids)
 
 

@@ -113,13 +113,14 @@ def send(call: StageCall, session: requests.Session, method: str, url: str, *, p
         if never_sent(exc):
             raise PlatformError(f"could not reach {platform} at {urlsplit(url).netloc}: {_reason(exc)}",
                                 Retry.RETRYABLE, outage=True, platform_ids=platform_ids) from exc
-        if isinstance(exc, (requests.Timeout, requests.ConnectionError, requests.exceptions.ChunkedEncodingError,
-                            requests.exceptions.ContentDecodingError)):
+        if isinstance(exc, _DELIVERED_FAILURES):
             raise delivered_error(call, platform, exc, platform_ids=platform_ids, poll=poll) from exc
         raise PlatformError(f"{platform} request failed: {type(exc).__name__}", Retry.FATAL,
                             platform_ids=platform_ids) from exc
 
 
+_DELIVERED_FAILURES = (requests.Timeout, requests.ConnectionError, requests.exceptions.ChunkedEncodingError,
+                       requests.exceptions.ContentDecodingError)
 _CONNECT_FAILURES = (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError,
                      urllib3.exceptions.NameResolutionError, socket.gaierror, ConnectionRefusedError)
 

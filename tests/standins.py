@@ -101,7 +101,8 @@ class StandinDify(FakePlatform, _Billing):
     """A Dify workflow app whose runs outlive the requests that started them (module docstring)."""
 
     def __init__(self, api_key: str = "app-standin", *, run_s: float = 0.3, ping_s: float = 0.05,
-                 blocking_cut_s: float | None = None, cut_style: str = "504", break_after_s: float | None = None,
+                 blocking_cut_s: float | None = None, cut_style: str = "504",
+                 break_after_s: float | None = None,
                  sticks_on_hangup: bool = True, max_active: int | None = None, published: bool = True,
                  free_plan: bool = False) -> None:
         FakePlatform.__init__(self)
@@ -129,7 +130,7 @@ class StandinDify(FakePlatform, _Billing):
     # HTTP
     def route(self, req: Recorded, reply: Reply) -> None:
         if bearer(req) != self.api_key:
-            return reply.json(401, {"code": "unauthorized", "message": "Access token is invalid", "status": 401})
+            return self._error(reply, 401, "unauthorized", "Access token is invalid")
         if req.method == "GET" and req.path.startswith("/v1/workflows/run/"):
             return self._poll(req.path.rsplit("/", 1)[1], reply)
         if req.method == "POST" and req.path.startswith("/v1/workflows/") and req.path.endswith("/run"):
@@ -241,7 +242,8 @@ class StandinCozeStudio(FakePlatform, _Billing):
     BEHAVIOURS = ("ok", "timeout", "node_fail", "risk", "question", "cancel", "slow")
 
     def __init__(self, token: str = "pat_standin", *, run_s: float = 0.05, sync_cut_s: float = 0.5,
-                 slow_run_s: float = 0.8, published: bool = True, host: str = "http://studio.example") -> None:
+                 slow_run_s: float = 0.8, published: bool = True,
+                 host: str = "http://studio.example") -> None:
         FakePlatform.__init__(self)
         _Billing.__init__(self)
         self.token, self.run_s, self.sync_cut_s, self.slow_run_s = token, run_s, sync_cut_s, slow_run_s
@@ -265,7 +267,8 @@ class StandinCozeStudio(FakePlatform, _Billing):
             return self._history(req.query.get("execute_id", ""), reply)
         reply.json(404, {"code": 4000, "msg": "Not Found"})
 
-    def _error(self, reply: Reply, code: int, msg: str, execute_id: int | str = 0, workflow_id: Any = 0) -> None:
+    def _error(self, reply: Reply, code: int, msg: str, execute_id: int | str = 0,
+               workflow_id: Any = 0) -> None:
         reply.json(200, {"code": code, "msg": msg,
                          "debug_url": self.debug_url(execute_id, 1 if execute_id else 0, workflow_id)})
 
@@ -274,8 +277,9 @@ class StandinCozeStudio(FakePlatform, _Billing):
         self.versions.append(body.get("version"))
         workflow_id = body.get("workflow_id")
         if not self.published:
-            return self._error(reply, 6031, "Workflow not published. The requested operation cannot be performed "
-                                            "on an unpublished workflow. Please publish the workflow and try again.")
+            return self._error(reply, 6031, "Workflow not published. The requested operation cannot "
+                                            "be performed on an unpublished workflow. Please publish the "
+                                            "workflow and try again.")
         behaviour = self.next_behaviour()
         if behaviour == "risk":
             return self._error(reply, 4102, "risk control: please retry later")
@@ -283,8 +287,8 @@ class StandinCozeStudio(FakePlatform, _Billing):
         params = body.get("parameters")
         items = envelope_items(json.loads(params) if isinstance(params, str) else params)
         execute_id = str(next(self._seq))
-        final = {"ok": "Success", "slow": "Success", "timeout": "Fail", "node_fail": "Fail", "question": "<UNSET>",
-                 "cancel": "Cancel"}[behaviour]
+        final = {"ok": "Success", "slow": "Success", "timeout": "Fail", "node_fail": "Fail",
+                 "question": "<UNSET>", "cancel": "Cancel"}[behaviour]
         errors = {"timeout": ("720702085", "Workflow execution timed out."),
                   "node_fail": ("720701013", "Workflow execution failure: Code node: division by zero"),
                   "cancel": ("777777777", "workflow cancel by user")}
@@ -294,9 +298,9 @@ class StandinCozeStudio(FakePlatform, _Billing):
         finished = threading.Event()
 
         def done() -> None:
+            output = json.dumps({"count": len(items)}) if final == "Success" else ""
             with self._lock:
-                self.runs[execute_id].update(status=final, error_code=code, error_msg=message,
-                                             output=json.dumps({"count": len(items)}) if final == "Success" else "")
+                self.runs[execute_id].update(status=final, error_code=code, error_msg=message, output=output)
             finished.set()
 
         self.work(self.slow_run_s if behaviour == "slow" else self.run_s, key, done)
@@ -307,26 +311,28 @@ class StandinCozeStudio(FakePlatform, _Billing):
             return _drop(reply)  # the sync connection is cut (90 s on Coze); the run goes on
         if behaviour == "timeout":
             return self._error(reply, 6023, "Workflow execution timed out. Please check for long-running "
-                                            "operations, optimize if possible, or retry later.", execute_id, workflow_id)
+                                            "operations, optimize if possible, or retry later.",
+                               execute_id, workflow_id)
         if behaviour == "node_fail":
             return self._error(reply, 720701013, message, execute_id, workflow_id)
         if behaviour == "question":
             # SyncExecute returns the interrupted run; OpenAPIRun answers NewError(ErrInterruptNotSupported)
             # without AppendDebug: a debug_url full of zeros
-            return self._error(reply, 6039, "Synchronous requests do not support interruption. Please switch to "
-                                            "asynchronous requests for interruptible operations.")
+            return self._error(reply, 6039, "Synchronous requests do not support interruption. Please switch "
+                                            "to asynchronous requests for interruptible operations.")
         with self._lock:
             output = self.runs[execute_id]["output"]
         reply.json(200, {"code": 0, "msg": "", "data": output, "execute_id": execute_id,
-                         "debug_url": self.debug_url(execute_id, 1, workflow_id), "token": 10, "cost": "0.00000"})
+                         "debug_url": self.debug_url(execute_id, 1, workflow_id), "token": 10,
+                         "cost": "0.00000"})
 
     def _history(self, execute_id: str, reply: Reply) -> None:
         with self._lock:
             run = dict(self.runs.get(execute_id) or {})
         if not run:
             return reply.json(200, {"code": 4314, "msg": "execute record not found"})
-        record = {"execute_id": int(execute_id), "execute_status": run["status"], "bot_id": 0, "connector_id": 1024,
-                  "connector_uid": "1", "run_mode": 0, "log_id": "log-studio",
+        record = {"execute_id": int(execute_id), "execute_status": run["status"], "bot_id": 0,
+                  "connector_id": 1024, "connector_uid": "1", "run_mode": 0, "log_id": "log-studio",
                   "debug_url": self.debug_url(execute_id, 1, run["workflow_id"]), "input": "{}",
                   "output": run.get("output", ""), "token": 10, "cost": "0.00000",
                   "error_code": run.get("error_code", ""), "error_msg": run.get("error_msg", "")}

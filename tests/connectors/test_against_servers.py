@@ -213,7 +213,7 @@ def test_dify_wrong_key_is_fatal(dify, session):
 
 def test_dify_streaming_reads_until_the_server_ends_then_polls(dify, session):
     dify.plan("async")
-    dify.stream_s = 0.4  # FakeDify pings after workflow_started, then ends the stream without workflow_finished
+    dify.stream_s = 0.4  # FakeDify pings after workflow_started, then ends without workflow_finished
     connector, stage = get_connector("dify"), dify_call(dify, mode="streaming")
     beats = []
     stage = call(stage.target, stage.secrets, on_progress=lambda: beats.append(time.monotonic()))

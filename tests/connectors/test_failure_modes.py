@@ -111,8 +111,8 @@ def test_dify_on_progress_that_raises_does_not_break_the_stream(session):
         raise RuntimeError("lease lost")
 
     with dify(run_s=0.2) as platform:
-        out = get_connector("dify").trigger(dify_call(platform, mode="streaming", on_progress=broken_heartbeat),
-                                            session)
+        stage = dify_call(platform, mode="streaming", on_progress=broken_heartbeat)
+        out = get_connector("dify").trigger(stage, session)
         assert isinstance(out, Done)
         platform.settle()
         assert platform.stuck_runs() == []
@@ -147,7 +147,8 @@ def test_dify_stream_broken_before_workflow_started_is_unknown_without_handle(se
 def test_dify_poll_failures_are_retryable(session):
     with dify(run_s=0.05) as platform:
         platform.poll_unavailable = True
-        err = raises(R, lambda: get_connector("dify").poll(dify_call(platform), {"run_id": "dify-run-1"}, session))
+        handle = {"run_id": "dify-run-1"}
+        err = raises(R, lambda: get_connector("dify").poll(dify_call(platform), handle, session))
         assert err.outage and err.status == 503 and err.platform_ids == {"workflow_run_id": "dify-run-1"}
 
 
