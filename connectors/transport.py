@@ -128,13 +128,17 @@ _CONNECT_FAILURES = (urllib3.exceptions.NewConnectionError, urllib3.exceptions.C
 def never_sent(exc: BaseException) -> bool:
     """Whether a transport failure happened before the request could reach the platform.
 
-    True for a connect timeout, a refused connection and a failed name lookup (urllib3's
+    True for a connect timeout, a refused connection, a failed name lookup (urllib3's
     ``NewConnectionError`` / ``ConnectTimeoutError`` / ``NameResolutionError`` inside requests'
-    ``ConnectionError``); False for anything after the connection was made (read timeout, reset,
-    ``RemoteDisconnected``, a broken chunked body), and False when unsure.
+    ``ConnectionError``) and a failed TLS handshake; False for anything after the request could have
+    been sent (read timeout, reset, ``RemoteDisconnected``, a broken chunked body), and False when unsure.
     """
     if isinstance(exc, requests.ConnectTimeout):
         return True
+    wrapped = exc.args[0] if exc.args else None
+    if isinstance(wrapped, urllib3.exceptions.MaxRetryError) and isinstance(
+            wrapped.reason, urllib3.exceptions.SSLError):
+        return True  # the TLS handshake failed (urlopen wraps it); a TLS error while reading is not wrapped
     seen: set[int] = set()
     todo: list[Any] = [exc]
     while todo:

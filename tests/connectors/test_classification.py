@@ -62,13 +62,19 @@ def no_such_host():
     return requests.ConnectionError(urllib3.exceptions.MaxRetryError(None, "/x", cause))
 
 
+def tls_handshake_failed():
+    cause = urllib3.exceptions.SSLError("certificate verify failed")
+    return requests.exceptions.SSLError(urllib3.exceptions.MaxRetryError(None, "/x", cause))
+
+
 def dropped():
     return requests.ConnectionError(urllib3.exceptions.ProtocolError(
         "Connection aborted.", http.client.RemoteDisconnected("Remote end closed connection")))
 
 
 @pytest.mark.parametrize("kind, make, url", CONNECTORS)
-@pytest.mark.parametrize("exc", [refused, no_such_host, lambda: requests.ConnectTimeout("no route")])
+@pytest.mark.parametrize("exc", [refused, no_such_host, tls_handshake_failed,
+                                 lambda: requests.ConnectTimeout("no route")])
 def test_a_request_never_sent_is_retryable_and_an_outage(mock, session, kind, make, url, exc):
     mock.post(url, body=exc())
     err = raises(R, lambda: get_connector(kind).trigger(make(), session))
@@ -77,7 +83,9 @@ def test_a_request_never_sent_is_retryable_and_an_outage(mock, session, kind, ma
 
 @pytest.mark.parametrize("kind, make, url", CONNECTORS)
 @pytest.mark.parametrize("exc", [lambda: requests.ReadTimeout("slow"), dropped,
-                                 lambda: requests.ConnectionError("no cause given")])
+                                 lambda: requests.ConnectionError("no cause given"),
+                                 lambda: requests.exceptions.ChunkedEncodingError("broken body"),
+                                 lambda: requests.exceptions.SSLError("bad record mac while reading")])
 def test_a_request_delivered_without_answer_is_unknown(mock, session, kind, make, url, exc):
     mock.post(url, body=exc())
     err = raises(U, lambda: get_connector(kind).trigger(make(), session))
