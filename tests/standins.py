@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import select
 import socket
 import threading
 import time
@@ -62,6 +63,16 @@ def _drop(reply: Reply) -> None:
         handler.connection.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def _client_gone(reply: Reply) -> bool:
+    """Whether the client closed its end (it sends nothing after its request, so readable means EOF)."""
+    conn = reply.handler.connection
+    try:
+        readable, _, _ = select.select([conn], [], [], 0)
+        return bool(readable) and conn.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 class _Billing:
@@ -214,7 +225,11 @@ class StandinDify(FakePlatform, _Billing):
                 if self.break_after_s is not None and time.monotonic() - opened >= self.break_after_s:
                     _drop(reply)
                     raise ConnectionResetError("the proxy cut the stream")
+                if _client_gone(reply):
+                    raise ConnectionResetError("the client hung up")
                 reply.sse("event: ping")
+            if _client_gone(reply):  # the next yield would fail: the outcome is never written
+                raise ConnectionResetError("the client hung up")
             frame("node_finished", {"id": "n1", "node_id": "code", "status": "succeeded"})
             frame("workflow_finished", self._finish(run_id))  # the streaming request writes the outcome
             reply.sse_close()

@@ -81,7 +81,6 @@ def test_the_standin_leaves_a_run_stuck_when_the_client_hangs_up_early(session):
                 break
         resp.close()
         platform.settle()
-        time.sleep(0.2)  # the stand-in notices the hang-up at its next ping
         (run_id,) = platform.runs
         assert platform.billed == {KEY: 1} and platform.stuck_runs() == [run_id]
         out = get_connector("dify").poll(stage, {"run_id": run_id}, session)
@@ -99,7 +98,6 @@ def test_dify_streaming_reads_to_workflow_finished_and_leaves_no_stuck_run(sessi
         assert isinstance(out, Done) and out.answer.output == {"count": 3}
         assert took >= 1.3 and set(out.platform_ids) == {"workflow_run_id", "task_id"}
         platform.settle()
-        time.sleep(0.1)
         assert platform.billed == {KEY: 1} and platform.stuck_runs() == []
         assert platform.status(out.platform_ids["workflow_run_id"]) == "succeeded"
     # on_progress: on the first event, then at most once a second while pings come every 50 ms
