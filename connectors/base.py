@@ -14,8 +14,14 @@ connection, a 5xx from a gateway in front of a run that may go on; idempotent st
 try to learn the outcome from the platform ids, else fail as ``outcome_unknown``), or ``FATAL``. A failure
 that says the *target* is unavailable rather than this call failing (connection refused, DNS failure, 429,
 503, a webhook not registered yet while the platform boots) also sets ``outage``: the gateway then cools
-the target down and gives the batch back without spending an attempt. Every error and outcome carries the platform's own ids (execution id, run id, debug_url,
-log id) in ``platform_ids`` for the batch log.
+the target down and gives the batch back without spending an attempt. Every error and outcome carries the
+platform's own ids (execution id, run id, debug_url, log id) in ``platform_ids`` for the batch log. An
+``UNKNOWN`` error that comes with a run id the platform gave also carries ``handle``: exactly the dict
+``poll(call, handle, session)`` accepts, so the gateway can learn the outcome by polling instead of running
+the flow again.
+
+Long calls show life through ``StageCall.on_progress`` (a Dify event stream calls it on every event, ping
+included, at most once a second), where the gateway heartbeats the lease.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import hashlib
 import hmac
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -48,7 +55,8 @@ class PlatformError(Exception):
 
     def __init__(self, message: str, retry: Retry, *, retry_after_s: float | None = None,
                  status: int | None = None, code: str | None = None,
-                 platform_ids: dict[str, str] | None = None, outage: bool = False) -> None:
+                 platform_ids: dict[str, str] | None = None, outage: bool = False,
+                 handle: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.retry = retry
@@ -58,6 +66,9 @@ class PlatformError(Exception):
         self.platform_ids = platform_ids or {}
         #: the target is unavailable (not this call's own failure): cool the target down, spend no attempt
         self.outage = outage
+        #: with UNKNOWN: the poll handle of the run the platform created (``connector.poll`` accepts it), so
+        #: the outcome can be learnt by polling rather than by running the flow again; None when no run id
+        self.handle = handle
 
     def retryable_for(self, stage_idempotent: bool) -> bool:
         """Whether the gateway may try again, given the stage's idempotency."""
@@ -110,6 +121,9 @@ class StageCall:
     timeout_s: float = 30.0
     signing_key: bytes = field(default=b"", repr=False)
     idempotent: bool = False
+    #: called (no arguments, at most once a second) while a long call shows life, e.g. on each Dify stream
+    #: event; the gateway heartbeats the lease there. Exceptions it raises are logged and ignored.
+    on_progress: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def idempotency_key(self) -> str:
@@ -207,11 +221,24 @@ def retry_after_s(resp: requests.Response) -> float | None:
             return None
 
 
-def classify_http(resp: requests.Response) -> Retry:
-    """The shared HTTP status classification of the contracts file."""
-    if resp.status_code == 429 or resp.status_code >= 500:
+def classify_http(resp: requests.Response, *, poll: bool = False) -> Retry:
+    """The shared HTTP status classification.
+
+    429: RETRYABLE (an outage, see :func:`is_outage`). 5xx on a call that starts a run (``poll`` False):
+    UNKNOWN, the request was delivered and the run may go on behind a gateway that gave up (503 too, and
+    it is also an outage). 5xx on a poll (a read without side effects): RETRYABLE. Anything else: FATAL.
+    """
+    status = resp.status_code
+    if status == 429:
         return Retry.RETRYABLE
+    if status >= 500:
+        return Retry.RETRYABLE if poll else Retry.UNKNOWN
     return Retry.FATAL
+
+
+def is_outage(status: int | None) -> bool:
+    """Whether an HTTP status says the target is unavailable (429, 503) rather than this call failing."""
+    return status in (429, 503)
 
 
 def map_fields(mapping: dict[str, str] | None, envelope: dict[str, Any],

@@ -9,7 +9,14 @@ Target::
 Without ``parameters`` the workflow gets one parameter, ``batchgate``: the envelope as a JSON string. Coze
 reports business errors as HTTP 200 with ``code != 0``, so ``code`` is read on every answer. A sync run's
 ``data`` is a JSON string of the end node's variables: the answer contract when it has ``status``, else the
-plain output. ``studio`` selects Coze Studio's run-history endpoint for polling.
+plain output. ``studio`` selects Coze Studio's run-history endpoint for polling and its request field
+``version`` for ``workflow_version``.
+
+A nonzero code that shows a run was created (an ``execute_id``, or a ``debug_url`` naming a nonzero
+``execute_id``; Coze Studio puts ``execute_id=0`` in the debug_url of errors raised before any run) is
+``UNKNOWN``, with ``handle={"execute_id"}`` for polling. Coze drops a sync call after about 90 s while the
+run goes on: also ``UNKNOWN``. docs/connectors-failure-modes.md lists every failure and its class, with the
+sources.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 import requests
 
@@ -30,6 +37,7 @@ from connectors.base import (
     Running,
     StageCall,
     classify_http,
+    is_outage,
     map_fields,
     retry_after_s,
 )
@@ -48,15 +56,25 @@ from connectors.transport import (
 PLATFORM = "coze"
 FIELDS = ("base_url", "token_secret", "workflow_id", "mode", "studio", "parameters", "bot_id", "app_id",
           "workflow_version")
-RETRYABLE_CODES = frozenset({4009, 4013, 4020, 5000})
-FATAL_CODES = frozenset({4000, 4100, 4101, 4200, 4010, 4011, 4019, 4022, 4008, 4314, 4315, 6003, 700012006})
+RETRYABLE_CODES = frozenset({4009, 4013, 4020, 4102, 5000})
+OUTAGE_CODES = frozenset({4009, 4020, 4102})
+"""Throttles (system cap, RPM, risk control "retry later"): the target refuses calls for a while."""
+FATAL_CODES = frozenset({4000, 4100, 4101, 4200, 4010, 4011, 4019, 4022, 4008, 4314, 4315, 6003, 700012006,
+                         6031, 6039})
+UNKNOWN_CODES = frozenset({6023, 720701013, 720702085})
+"""Coze Studio: the run timed out (6023; 720702085 before its OpenAPI mapping) or failed in a node
+(720701013): it ran, possibly with side effects, and may be known by polling its execute_id."""
+WAITING_CODES = frozenset({6039})
 CODE_HINTS = {
     4008: " (daily limit reached: runs can resume tomorrow)",
     4100: " (the token is invalid or expired)",
     4200: " (is the workflow published?)",
     6003: " (async runs need a paid Coze plan: use mode sync)",
+    6031: " (publish the workflow in Coze Studio: the API runs the published version only)",
     700012006: " (Coze Studio rejected the token)",
 }
+WAITING_FOR_INPUT = ("the workflow is waiting for input (a question/input node); batchgate cannot answer it: "
+                     "remove the node from the workflow")
 
 
 @dataclass(frozen=True)
@@ -101,6 +119,11 @@ def validate_target(target: dict[str, Any]) -> dict[str, Any]:
     return check.result
 
 
+def _version_field(target: dict[str, Any]) -> str:
+    """Coze Studio's run request names the version ``version``; coze.com / coze.cn ``workflow_version``."""
+    return "version" if target["studio"] else "workflow_version"
+
+
 class CozeConnector:
     """Coze workflows through the OpenAPI (``/v1/workflow/run``)."""
 
@@ -113,12 +136,14 @@ class CozeConnector:
                                      default={"batchgate": json.dumps(call.envelope, ensure_ascii=False)}),
             "is_async": target["mode"] == "async",
         }
-        payload.update({k: target[k] for k in ("bot_id", "app_id", "workflow_version") if target.get(k)})
+        payload.update({k: target[k] for k in ("bot_id", "app_id") if target.get(k)})
+        if target.get("workflow_version"):
+            payload[_version_field(target)] = target["workflow_version"]
         resp = send(call, session, "POST", f"{target['base_url']}/v1/workflow/run", platform=PLATFORM,
                     payload=payload, auth=_auth(call))
         body, pids = _checked_body(resp, call)
         if target["mode"] == "sync":
-            return Done(_answer(body.get("data"), pids), pids)
+            return _sync_outcome(body, pids)
         if not pids.get("execute_id"):
             raise PlatformError("coze accepted the async run without an execute_id", Retry.FATAL,
                                 platform_ids=pids)
@@ -131,8 +156,8 @@ class CozeConnector:
         if not execute_id:
             raise PlatformError("coze: the poll handle has no execute_id", Retry.FATAL)
         resp = send(call, session, "GET", _history_url(target, execute_id), platform=PLATFORM,
-                    auth=_auth(call), platform_ids=ids(execute_id=execute_id))
-        body, pids = _checked_body(resp, call, execute_id)
+                    auth=_auth(call), platform_ids=ids(execute_id=execute_id), poll=True)
+        body, pids = _checked_body(resp, call, execute_id, poll=True)
         record = dig(body, "data", 0)
         if not isinstance(record, dict):
             raise PlatformError(f"coze run history has no record of execute_id {execute_id}", Retry.FATAL,
@@ -153,8 +178,16 @@ def _history_url(target: dict[str, Any], execute_id: str) -> str:
     return f"{base}/v1/workflows/{quote(workflow_id, safe='')}/run_histories/{quote(execute_id, safe='')}"
 
 
-def _checked_body(resp: requests.Response, call: StageCall,
-                  execute_id: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+def _sync_outcome(body: dict[str, Any], pids: dict[str, str]) -> Outcome:
+    """A sync answer with code 0: the output, unless the run stopped at a question/input node."""
+    data = body.get("data")
+    if body.get("interrupt_data") or data in (None, ""):
+        raise PlatformError(f"coze: {WAITING_FOR_INPUT}", Retry.FATAL, platform_ids=pids)
+    return Done(_answer(data, pids), pids)
+
+
+def _checked_body(resp: requests.Response, call: StageCall, execute_id: str | None = None,
+                  poll: bool = False) -> tuple[dict[str, Any], dict[str, str]]:
     """The answer's JSON object and platform ids; an HTTP error or a nonzero ``code`` raises."""
     body = json_body(resp)
     body = body if isinstance(body, dict) else {}
@@ -163,7 +196,31 @@ def _checked_body(resp: requests.Response, call: StageCall,
     code = _code(body.get("code"))
     if resp.ok and code == 0:
         return body, pids
-    raise _code_error(resp, body, code, call, pids)
+    raise _code_error(resp, body, code, call, pids, poll=poll)
+
+
+def run_evidence(body: dict[str, Any]) -> tuple[bool, str | None]:
+    """Whether a failed answer shows that a run was created, and its execute_id when known.
+
+    An ``execute_id`` field counts; so does a ``debug_url``, unless its ``execute_id`` query parameter is
+    ``0`` (Coze Studio builds a debug_url for every error, with zeros when no run exists).
+    """
+    execute_id = str(body.get("execute_id") or "").strip()
+    if execute_id and execute_id != "0":
+        return True, execute_id
+    debug_url = body.get("debug_url")
+    if not isinstance(debug_url, str) or not debug_url:
+        return False, None
+    try:
+        values = parse_qs(urlsplit(debug_url).query).get("execute_id") or []
+    except ValueError:
+        values = []
+    if not values:
+        return True, None  # a debug_url that names no execution: assume a run, without a handle
+    value = values[0].strip()
+    if value in ("", "0"):
+        return False, None
+    return True, value
 
 
 def _code(value: Any) -> int | None:
@@ -174,26 +231,44 @@ def _code(value: Any) -> int | None:
 
 
 def _code_error(resp: requests.Response, body: dict[str, Any], code: int | None, call: StageCall,
-                pids: dict[str, str]) -> PlatformError:
-    """Classify a failed answer: listed codes first, then the HTTP status, then unknown codes."""
-    if code in RETRYABLE_CODES:
-        retry = Retry.RETRYABLE
-    elif code in FATAL_CODES:
+                pids: dict[str, str], poll: bool = False) -> PlatformError:
+    """Classify a failed answer.
+
+    Order: codes that rule a run out or need a person (FATAL), codes of a run that ran (UNKNOWN), any other
+    failure that shows a run was created (UNKNOWN, on a run request), throttles and "retry later" codes
+    (RETRYABLE), the HTTP status, and unknown codes (FATAL).
+    """
+    ran, execute_id = (False, None) if poll else run_evidence(body)
+    if execute_id:
+        pids = {**pids, "execute_id": execute_id}
+    if code in FATAL_CODES:
         retry = Retry.FATAL
+    elif code in UNKNOWN_CODES and not poll:
+        retry = Retry.UNKNOWN
+    elif ran:
+        retry = Retry.UNKNOWN
+    elif code in RETRYABLE_CODES:
+        retry = Retry.RETRYABLE
     elif not resp.ok:
-        retry = classify_http(resp)
+        retry = classify_http(resp, poll=poll)
     else:
         retry = UNVERIFIED.unknown_code_retry
     message = clip(body.get("msg") or body.get("message") or (resp.text if not body else "") or "no message",
                    call)
+    hint = f": {WAITING_FOR_INPUT}" if code in WAITING_CODES else CODE_HINTS.get(code, "")
+    if retry is Retry.UNKNOWN:
+        hint += " (a run was created: it may have run)"
     if code is None:
         text = f"coze answered HTTP {resp.status_code} without a code: {message}"
     else:
         where = "" if resp.ok else f" (HTTP {resp.status_code})"
-        text = f"coze code {code}{where}: {message}{CODE_HINTS.get(code, '')}"
+        text = f"coze code {code}{where}: {message}{hint}"
+    outage = is_outage(resp.status_code) or (code in OUTAGE_CODES and retry is Retry.RETRYABLE)
     return PlatformError(text, retry,
-                         retry_after_s=retry_after_s(resp) if retry is Retry.RETRYABLE else None,
-                         status=resp.status_code, code=None if code is None else str(code), platform_ids=pids)
+                         retry_after_s=retry_after_s(resp) if retry is Retry.RETRYABLE or outage else None,
+                         status=resp.status_code, code=None if code is None else str(code), platform_ids=pids,
+                         outage=outage,
+                         handle={"execute_id": execute_id} if execute_id and retry is Retry.UNKNOWN else None)
 
 
 def _record_outcome(record: dict[str, Any], handle: dict[str, Any], call: StageCall,
@@ -206,9 +281,16 @@ def _record_outcome(record: dict[str, Any], handle: dict[str, Any], call: StageC
         return Done(_answer(record.get("output"), pids, history=True), pids)
     if status.lower() == "fail":
         code = record.get("error_code")
-        detail = clip(record.get("error_message") or "no error message", call)
+        # coze.com / coze-py: error_message; Coze Studio's WorkflowExecuteHistory: error_msg
+        detail = clip(record.get("error_message") or record.get("error_msg") or "no error message", call)
         raise PlatformError(f"{name} failed{f' (error code {code})' if code else ''}: {detail}",
                             Retry.IF_IDEMPOTENT, code=str(code) if code else None, platform_ids=pids)
+    if status.lower() == "cancel":
+        raise PlatformError(f"{name} was cancelled on Coze", Retry.FATAL, platform_ids=pids)
+    if status == "<UNSET>":
+        # Coze Studio prints an interrupted run's status 5, outside its thrift enum, as "<UNSET>"
+        raise PlatformError(f"{name} stopped without finishing (execute_status <UNSET>, an interrupted run): "
+                            f"{WAITING_FOR_INPUT}", Retry.FATAL, platform_ids=pids)
     raise PlatformError(f"{name} has execute_status {clip(status)!r}, which batchgate does not handle",
                         Retry.FATAL, platform_ids=pids)
 

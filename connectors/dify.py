@@ -8,8 +8,16 @@ Target::
 
 Without ``inputs`` the workflow gets one variable, ``batchgate``: the envelope as a JSON string (declare it as
 a paragraph input long enough for a batch). A run is finished only when ``data.status`` says so: a failed run
-can come back as HTTP 200. ``streaming`` reads the event stream only until ``workflow_started`` and then
-polls ``GET /v1/workflows/run/{id}``, which suits stages longer than Dify Cloud's ~100 s blocking cut-off.
+can come back as HTTP 200.
+
+``streaming`` reads the event stream to ``workflow_finished`` (Dify sends a ping frame about every 10 s, so a
+long run keeps the connection alive), calling ``call.on_progress`` as events arrive. It never hangs up
+early: a client that closes the stream before ``workflow_finished`` leaves the run ``running`` for ever in
+Dify's records (langgenius/dify #12798, #20237, #23654), so a poll would never end. Only when the stream
+breaks after ``workflow_started`` does the connector return ``Running({"run_id"})`` to poll. ``blocking``
+waits for the whole run in one response, which Dify Cloud's gateway cuts at about 60 s while the run goes on
+(and is billed): such a cut is ``UNKNOWN`` without a run id, so use streaming for long runs.
+docs/connectors-failure-modes.md lists every failure and its class, with the sources.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ import urllib3
 from connectors.base import Done, Outcome, PlatformError, Retry, Running, StageCall, map_fields
 from connectors.targets import TargetChecker, checked
 from connectors.transport import (
+    Progress,
     answer_from_value,
     clip,
+    delivered_error,
     http_error,
     ids,
     json_body,
@@ -42,10 +52,25 @@ from connectors.transport import (
 PLATFORM = "dify"
 FIELDS = ("base_url", "api_key_secret", "mode", "workflow_id", "inputs", "user")
 FATAL_CODES = frozenset({"invalid_param", "app_unavailable", "model_currently_not_support",
-                         "workflow_not_found", "draft_workflow_error", "workflow_id_format_error"})
+                         "workflow_not_found", "draft_workflow_error", "workflow_id_format_error",
+                         # current Dify: a draft or malformed workflow_id is werkzeug's BadRequest, an unknown
+                         # one NotFound, a pinned version on a free Cloud plan 403
+                         "bad_request", "not_found", "not_workflow_app",
+                         "workflow_version_execution_not_allowed"})
 FATAL_CODE_PREFIXES = ("provider_",)
-IF_IDEMPOTENT_CODES = frozenset({"workflow_request_error"})
-RETRYABLE_CODES = frozenset({"too_many_requests", "rate_limit_error", "internal_server_error"})
+# completion_request_error wraps a model call's InvokeError (timeout, connection, server error) raised out
+# of a run that had started: the run failed and may have had side effects before it
+IF_IDEMPOTENT_CODES = frozenset({"workflow_request_error", "completion_request_error"})
+# 429s; Dify sends no Retry-After with them (libs/external_api.py), so retry_after_s stays None.
+# internal_server_error is left to its HTTP status: UNKNOWN on a run request, RETRYABLE on a poll.
+RETRYABLE_CODES = frozenset({"too_many_requests", "rate_limit_error"})
+CODE_HINTS = {
+    "workflow_version_execution_not_allowed": (" (pinning workflow_id needs a paid Dify Cloud plan: drop "
+                                               "workflow_id to run the published version)"),
+    "too_many_requests": " (the app's concurrent-run limit; Dify sends no Retry-After)",
+}
+WAITING_FOR_INPUT = ("the workflow is waiting for input (a human-input node); batchgate cannot answer it: "
+                     "remove the node from the app")
 READ_SIZE = 8192
 
 
@@ -62,14 +87,13 @@ class DifyAssumptions:
     """Class of an error frame whose code is unknown and which has no status: the run may have started."""
     succeeded_statuses: tuple[str, ...] = ("succeeded", "partial-succeeded")
     """Finished with outputs; ``partial-succeeded``: nodes failed under an error strategy the flow set."""
-    running_statuses: tuple[str, ...] = ("running", "paused")
+    running_statuses: tuple[str, ...] = ("running",)
+    paused_statuses: tuple[str, ...] = ("paused",)
+    """Waiting for a human (human-input node): FATAL, batchgate cannot answer."""
+    paused_events: tuple[str, ...] = ("workflow_paused", "human_input_required")
 
 
 UNVERIFIED = DifyAssumptions()
-
-
-class StreamDeadline(Exception):
-    """The event stream ran past the call's timeout without the event awaited."""
 
 
 def validate_target(target: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +124,7 @@ class DifyConnector:
     """Dify workflow apps through the service API."""
 
     def trigger(self, call: StageCall, session: requests.Session) -> Outcome:
-        """Start a run; blocking reads its result, streaming returns at ``workflow_started``."""
+        """Start a run; blocking reads its result, streaming reads events to ``workflow_finished``."""
         target = checked(validate_target, call.target)
         workflow = f"/{quote(target['workflow_id'], safe='')}" if target.get("workflow_id") else ""
         payload = {
@@ -125,10 +149,10 @@ class DifyConnector:
             raise PlatformError("dify: the poll handle has no run_id", Retry.FATAL)
         pids = ids(workflow_run_id=run_id)
         resp = send(call, session, "GET", f"{target['base_url']}/v1/workflows/run/{quote(run_id, safe='')}",
-                    platform=PLATFORM, auth=_auth(call), platform_ids=pids)
+                    platform=PLATFORM, auth=_auth(call), platform_ids=pids, poll=True)
         body = json_body(resp)
         if not resp.ok:
-            raise _http_error(resp, body, call, pids)
+            raise _http_error(resp, body, call, pids, poll=True)
         return _run_outcome(body, pids, call)
 
 
@@ -160,6 +184,9 @@ def _run_outcome(data: Any, pids: dict[str, str], call: StageCall) -> Outcome:
         raise PlatformError(f"dify run {run_id} failed: {message}", Retry.IF_IDEMPOTENT, platform_ids=pids)
     if status == "stopped":
         raise PlatformError(f"dify run {run_id} was stopped", Retry.FATAL, platform_ids=pids)
+    if status in UNVERIFIED.paused_statuses:
+        raise PlatformError(f"dify run {run_id} is {status}: {WAITING_FOR_INPUT}", Retry.FATAL,
+                            platform_ids=pids)
     if status in UNVERIFIED.running_statuses:
         if not run_id:
             raise PlatformError(f"dify run is {status} but gave no workflow_run_id to poll", Retry.FATAL,
@@ -183,69 +210,99 @@ def code_retry(code: Any) -> Retry | None:
 
 
 def _http_error(resp: requests.Response, body: Any, call: StageCall,
-                pids: dict[str, str] | None = None) -> PlatformError:
+                pids: dict[str, str] | None = None, poll: bool = False) -> PlatformError:
     code = body.get("code") if isinstance(body, dict) else None
     message = body.get("message") if isinstance(body, dict) else None
     text = f"{code}: {message or ''}" if code else (message or resp.text or resp.reason or "")
     retry = None if resp.status_code in (401, 403) else code_retry(code)
-    return http_error(resp, call, PLATFORM, retry=retry, message=text, code=code, platform_ids=pids)
+    hint = CODE_HINTS.get(code, "") if isinstance(code, str) else ""
+    if code == "invalid_param" and "not published" in str(message).lower():
+        hint = " (publish the app in Dify: the API runs the published version only)"
+    return http_error(resp, call, PLATFORM, retry=retry, message=text, code=code, platform_ids=pids,
+                      poll=poll, hint=hint)
 
 
 def _event_error(event: dict[str, Any], call: StageCall, pids: dict[str, str]) -> PlatformError:
+    """An ``error`` frame: by its code, else by its status (5xx: UNKNOWN, the run had been requested)."""
     code, status = event.get("code"), event.get("status")
     retry = code_retry(code)
     if retry is None and isinstance(status, int):
-        retry = Retry.RETRYABLE if status == 429 or status >= 500 else Retry.FATAL
+        retry = (Retry.RETRYABLE if status == 429 else Retry.UNKNOWN if status >= 500 else Retry.FATAL)
+    retry = retry or UNVERIFIED.error_event_retry
     message = clip(event.get("message") or "no error message", call)
-    return PlatformError(f"dify stream error {code or '(no code)'}: {message}",
-                         retry or UNVERIFIED.error_event_retry,
+    run_id = pids.get("workflow_run_id")
+    return PlatformError(f"dify stream error {code or '(no code)'}: {message}", retry,
                          status=status if isinstance(status, int) else None,
-                         code=str(code) if code else None, platform_ids=pids)
+                         code=str(code) if code else None, platform_ids=pids, outage=status == 429,
+                         handle={"run_id": run_id} if run_id and retry is Retry.UNKNOWN else None)
 
 
 def _read_stream(resp: requests.Response, call: StageCall) -> Outcome:
-    """Read events until the run id is known (Running) or the run ends first (its outcome)."""
+    """Read events to ``workflow_finished`` (the run's outcome), calling ``on_progress`` on each frame.
+
+    The stream is never closed early (that leaves the run ``running`` in Dify for ever). If it breaks or
+    ends before ``workflow_finished``: ``Running`` with the run id when ``workflow_started`` gave one, else
+    ``UNKNOWN`` (the run may have started). Without ``workflow_started`` within ``call.timeout_s`` (pings
+    only): ``UNKNOWN``.
+    """
     pids: dict[str, str] = {}
+    progress = Progress(call)
+    started_by = time.monotonic() + call.timeout_s
     try:
-        for event in _sse_events(resp, time.monotonic() + call.timeout_s):
+        for event in _sse_events(resp):
+            progress()
+            if event is None:  # a ping or another frame without data
+                if "workflow_run_id" not in pids and time.monotonic() > started_by:
+                    raise PlatformError(f"dify sent no workflow_started within {call.timeout_s:g} s; the "
+                                        f"request was delivered, so a run may have started", Retry.UNKNOWN,
+                                        platform_ids=pids)
+                continue
             pids.update(ids(workflow_run_id=event.get("workflow_run_id"), task_id=event.get("task_id")))
             kind = event.get("event")
             if kind == "workflow_started":
                 pids = {**ids(workflow_run_id=(event.get("data") or {}).get("id")), **pids}
-                if pids.get("workflow_run_id"):
-                    return Running({"run_id": pids["workflow_run_id"]}, pids)
             elif kind == "workflow_finished":
                 return _run_outcome(event.get("data"), pids, call)
             elif kind == UNVERIFIED.error_event:
                 raise _event_error(event, call, pids)
-    except StreamDeadline:
-        raise PlatformError(f"dify sent no workflow_started within {call.timeout_s:g} s", Retry.RETRYABLE,
-                            platform_ids=pids) from None
+            elif kind in UNVERIFIED.paused_events:
+                raise PlatformError(f"dify run {pids.get('workflow_run_id')} paused ({kind}): "
+                                    f"{WAITING_FOR_INPUT}", Retry.FATAL, platform_ids=pids)
     except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
-        raise PlatformError(f"dify event stream broke: {type(exc).__name__}", Retry.RETRYABLE,
-                            platform_ids=pids) from exc
-    raise PlatformError("dify event stream ended before workflow_started", Retry.RETRYABLE, platform_ids=pids)
+        return _stream_broke(call, pids, exc)
+    return _stream_broke(call, pids, None)
 
 
-def _sse_events(resp: requests.Response, deadline: float) -> Iterator[dict[str, Any]]:
-    """JSON ``data:`` payloads of a server-sent event stream, as they arrive (other fields ignored).
+def _stream_broke(call: StageCall, pids: dict[str, str], exc: BaseException | None) -> Outcome:
+    """The stream stopped before ``workflow_finished``: poll the run if its id is known, else UNKNOWN."""
+    run_id = pids.get("workflow_run_id")
+    if run_id:
+        return Running({"run_id": run_id}, pids)
+    if exc is None:
+        raise PlatformError("dify event stream ended before workflow_started; the request was delivered, so "
+                            "a run may have started", Retry.UNKNOWN, platform_ids=pids)
+    raise delivered_error(call, PLATFORM, exc, platform_ids=pids)
 
-    Raises:
-        StreamDeadline: when ``deadline`` (monotonic) passes first.
-    """
+
+def _sse_events(resp: requests.Response) -> Iterator[dict[str, Any] | None]:
+    """One item per server-sent event frame, as it arrives: its JSON ``data:`` object, or None (a ping, a
+    frame without data or whose data is not a JSON object)."""
     data: list[bytes] = []
-    for line in _lines(resp, deadline):
+    fields = False
+    for line in _lines(resp):
+        if not line:
+            if fields:
+                yield _json_object(b"\n".join(data)) if data else None
+            data, fields = [], False
+            continue
+        fields = True
         if line.startswith(b"data:"):
             data.append(line[5:].removeprefix(b" "))
-        elif not line and data:
-            event, data = _json_object(b"\n".join(data)), []
-            if event is not None:
-                yield event
-    if data and (event := _json_object(b"\n".join(data))) is not None:
-        yield event
+    if fields:
+        yield _json_object(b"\n".join(data)) if data else None
 
 
-def _lines(resp: requests.Response, deadline: float) -> Iterator[bytes]:
+def _lines(resp: requests.Response) -> Iterator[bytes]:
     """Body lines without their line ends, each as soon as it is complete."""
     buffer = bytearray()
     for chunk in _chunks(resp):
@@ -256,8 +313,6 @@ def _lines(resp: requests.Response, deadline: float) -> Iterator[bytes]:
             del buffer[:end + 1]
             scan_from = 0
             yield line
-        if time.monotonic() > deadline:
-            raise StreamDeadline
     if buffer:
         yield bytes(buffer).rstrip(b"\r")
 

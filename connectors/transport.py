@@ -1,8 +1,16 @@
 """Plumbing every connector shares: signed requests, transport failures, platform messages, answers.
 
 Every outbound request goes through :func:`send`: the body is ``encode(payload)``, the headers are
-``signed_headers(call, body)`` plus the platform's auth, and connection errors and timeouts become
-``PlatformError(RETRYABLE)``. Messages built here are clipped and scrubbed of the call's secret values.
+``signed_headers(call, body)`` plus the platform's auth. Transport failures are classed by whether the
+request can have reached the platform:
+
+- never sent (connection refused, DNS failure, connect timeout): ``RETRYABLE`` with ``outage`` (the
+  target is unavailable, not this call);
+- sent (read timeout, connection dropped before or during the answer): ``UNKNOWN`` for a call that starts
+  a run (the flow may have run), ``RETRYABLE`` for a poll (``poll=True``: a read without side effects).
+
+:func:`http_error` classes HTTP error answers the same way (``classify_http``). Messages built here are
+clipped and scrubbed of the call's secret values.
 The gateway passes a guarded session (gateway.outbound): it checks the address of every connection and
 redirect hop, and drops the auth and signature headers when a redirect changes the origin; an address it
 refuses, or too many redirects, is ``PlatformError(FATAL)``.
@@ -12,10 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
 import requests
+import urllib3
 
 from connectors.base import (
     Answer,
@@ -24,6 +35,7 @@ from connectors.base import (
     StageCall,
     classify_http,
     encode,
+    is_outage,
     retry_after_s,
     signed_headers,
 )
@@ -63,7 +75,8 @@ def require_secret(call: StageCall, field_name: str, platform: str) -> str:
 
 def send(call: StageCall, session: requests.Session, method: str, url: str, *, platform: str,
          payload: Any = None, headers: dict[str, str] | None = None, auth: dict[str, str] | None = None,
-         stream: bool = False, platform_ids: dict[str, str] | None = None) -> requests.Response:
+         stream: bool = False, platform_ids: dict[str, str] | None = None,
+         poll: bool = False) -> requests.Response:
     """Send one signed request; transport failures raise ``PlatformError``.
 
     Args:
@@ -77,6 +90,12 @@ def send(call: StageCall, session: requests.Session, method: str, url: str, *, p
         auth: the platform's auth headers, on top.
         stream: leave the body unread (for server-sent events).
         platform_ids: ids already known (a poll's run id), kept on transport errors.
+        poll: the request only reads a run's state: a failure after sending is RETRYABLE, not UNKNOWN.
+
+    Raises:
+        PlatformError: RETRYABLE + outage when the request was never sent (refused, DNS, connect
+            timeout); UNKNOWN (RETRYABLE when ``poll``) when it was sent and the answer did not come;
+            FATAL when the outbound guard refused the address.
     """
     body = b"" if payload is None else encode(payload)
     all_headers = {**(headers or {}), **signed_headers(call, body), **(auth or {})}
@@ -86,17 +105,102 @@ def send(call: StageCall, session: requests.Session, method: str, url: str, *, p
     try:
         return session.request(method, url, data=body, headers=all_headers, timeout=call.timeout_s,
                                stream=stream)
-    except requests.Timeout as exc:
-        raise PlatformError(f"{platform} did not answer within {call.timeout_s:g} s", Retry.RETRYABLE,
-                            platform_ids=platform_ids) from exc
-    except requests.ConnectionError as exc:
-        raise PlatformError(f"could not reach {platform} at {urlsplit(url).netloc}: {type(exc).__name__}",
-                            Retry.RETRYABLE, platform_ids=platform_ids) from exc
     except requests.RequestException as exc:
         refusal = getattr(exc, "refusal", None)  # the gateway's outbound guard refused an address or hop
-        reason = (f"refused: {clip(refusal, call)}" if isinstance(refusal, str)
-                  else f"failed: {type(exc).__name__}")
-        raise PlatformError(f"{platform} request {reason}", Retry.FATAL, platform_ids=platform_ids) from exc
+        if isinstance(refusal, str):
+            raise PlatformError(f"{platform} request refused: {clip(refusal, call)}", Retry.FATAL,
+                                platform_ids=platform_ids) from exc
+        if never_sent(exc):
+            raise PlatformError(f"could not reach {platform} at {urlsplit(url).netloc}: {_reason(exc)}",
+                                Retry.RETRYABLE, outage=True, platform_ids=platform_ids) from exc
+        if isinstance(exc, _DELIVERED_FAILURES):
+            raise delivered_error(call, platform, exc, platform_ids=platform_ids, poll=poll) from exc
+        raise PlatformError(f"{platform} request failed: {type(exc).__name__}", Retry.FATAL,
+                            platform_ids=platform_ids) from exc
+
+
+_DELIVERED_FAILURES = (requests.Timeout, requests.ConnectionError, requests.exceptions.ChunkedEncodingError,
+                       requests.exceptions.ContentDecodingError)
+_CONNECT_FAILURES = (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError,
+                     urllib3.exceptions.NameResolutionError, socket.gaierror, ConnectionRefusedError)
+
+
+def never_sent(exc: BaseException) -> bool:
+    """Whether a transport failure happened before the request could reach the platform.
+
+    True for a connect timeout, a refused connection, a failed name lookup (urllib3's
+    ``NewConnectionError`` / ``ConnectTimeoutError`` / ``NameResolutionError`` inside requests'
+    ``ConnectionError``) and a failed TLS handshake; False for anything after the request could have
+    been sent (read timeout, reset, ``RemoteDisconnected``, a broken chunked body), and False when unsure.
+    """
+    if isinstance(exc, requests.ConnectTimeout):
+        return True
+    wrapped = exc.args[0] if exc.args else None
+    if isinstance(wrapped, urllib3.exceptions.MaxRetryError) and isinstance(
+            wrapped.reason, urllib3.exceptions.SSLError):
+        return True  # the TLS handshake failed (urlopen wraps it); a TLS error while reading is not wrapped
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        item = todo.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, _CONNECT_FAILURES):
+            return True
+        if isinstance(item, BaseException):
+            todo.extend([getattr(item, "reason", None), item.__cause__, item.__context__,
+                         *[a for a in item.args if isinstance(a, BaseException)]])
+    return False
+
+
+def _reason(exc: BaseException) -> str:
+    inner = exc.args[0] if exc.args and isinstance(exc.args[0], BaseException) else None
+    inner = getattr(inner, "reason", inner)
+    return type(inner or exc).__name__
+
+
+def delivered_error(call: StageCall, platform: str, exc: BaseException, *, poll: bool = False,
+                    platform_ids: dict[str, str] | None = None,
+                    handle: dict[str, Any] | None = None) -> PlatformError:
+    """The request reached the platform but its answer did not come back (timeout, dropped connection).
+
+    UNKNOWN for a call that starts a run (the flow may have run; ``handle`` lets the gateway poll it),
+    RETRYABLE for a poll.
+    """
+    if isinstance(exc, requests.Timeout) or isinstance(exc, (TimeoutError, socket.timeout,
+                                                             urllib3.exceptions.ReadTimeoutError)):
+        what = f"{platform} did not answer within {call.timeout_s:g} s"
+    else:
+        what = f"{platform} dropped the connection before answering ({_reason(exc)})"
+    if poll:
+        return PlatformError(f"{what} (a poll: polling again)", Retry.RETRYABLE, platform_ids=platform_ids)
+    return PlatformError(f"{what}; the request was delivered, so the run may have happened", Retry.UNKNOWN,
+                         platform_ids=platform_ids, handle=handle)
+
+
+class Progress:
+    """Calls ``call.on_progress`` at most once per ``interval_s``; its exceptions are logged, not raised.
+
+    A connector calls the instance whenever the platform shows life (a stream event, ping included).
+    """
+
+    def __init__(self, call: StageCall, interval_s: float = 1.0) -> None:
+        self._fn = call.on_progress
+        self._interval_s = interval_s
+        self._last = float("-inf")
+
+    def __call__(self) -> None:
+        if self._fn is None:
+            return
+        now = time.monotonic()
+        if now - self._last < self._interval_s:
+            return
+        self._last = now
+        try:
+            self._fn()
+        except Exception:  # the gateway's heartbeat must not break a stream we still have to read to the end
+            log.warning("on_progress raised; the call goes on", exc_info=True)
 
 
 def json_body(resp: requests.Response) -> Any:
@@ -118,17 +222,22 @@ def platform_message(resp: requests.Response, body: Any = None) -> str:
 
 def http_error(resp: requests.Response, call: StageCall, platform: str, *, retry: Retry | None = None,
                message: str | None = None, hint: str = "", code: Any = None,
-               platform_ids: dict[str, str] | None = None) -> PlatformError:
+               platform_ids: dict[str, str] | None = None, poll: bool = False,
+               handle: dict[str, Any] | None = None) -> PlatformError:
     """A ``PlatformError`` for an HTTP error answer; the status decides the class unless ``retry`` does.
 
     ``message`` defaults to the platform's own message (clipped); ``hint`` is batchgate's advice after it.
+    ``poll``: the request only read a run's state (5xx is RETRYABLE, not UNKNOWN). 429 and 503 set
+    ``outage``; ``retry_after_s`` comes from Retry-After on a RETRYABLE answer (None when absent).
     """
-    retry = retry or classify_http(resp)
+    retry = retry or classify_http(resp, poll=poll)
+    outage = is_outage(resp.status_code)
     text = message if message is not None else platform_message(resp, json_body(resp))
     return PlatformError(f"{platform} answered HTTP {resp.status_code}: {clip(text, call)}{hint}", retry,
-                         retry_after_s=retry_after_s(resp) if retry is Retry.RETRYABLE else None,
+                         retry_after_s=retry_after_s(resp) if retry is Retry.RETRYABLE or outage else None,
                          status=resp.status_code, code=None if code is None else str(code),
-                         platform_ids=platform_ids)
+                         platform_ids=platform_ids, outage=outage,
+                         handle=handle if retry is Retry.UNKNOWN else None)
 
 
 def contract_error(reason: str, platform_ids: dict[str, str] | None = None) -> PlatformError:

@@ -27,10 +27,10 @@ def envelope(items: list[Any] | None = None, **extra: Any) -> dict[str, Any]:
 
 
 def call(target: dict[str, Any], secrets: dict[str, str] | None = None, timeout_s: float = 5.0,
-         **env: Any) -> StageCall:
+         on_progress: Callable[[], None] | None = None, **env: Any) -> StageCall:
     """A StageCall for ``target``, signed with ``SIGNING_KEY``."""
     return StageCall(envelope(**env), target, secrets=secrets or {}, timeout_s=timeout_s,
-                     signing_key=SIGNING_KEY)
+                     signing_key=SIGNING_KEY, on_progress=on_progress)
 
 
 def raises(retry: Retry, fn: Callable[[], Any], *secrets: str) -> PlatformError:
