@@ -31,6 +31,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -302,3 +303,50 @@ def test_failure_classes_on_real_n8n(n8n, probe):
     assert err.retry is Retry.RETRYABLE and err.outage and err.status == 404, err.message
     assert err.message.startswith(f"n8n has no active webhook at {n8n}/webhook/{PROBE_PATH}: "
                                   f"activate/publish the workflow"), err.message
+
+
+def test_score_callback_outlives_a_restart_of_batchgate(n8n):
+    """The score workflow's HTTP Request node retries its callback (5 tries, 5 s apart): a callback posted
+    while batchgate restarts (nothing listening for 12 s) still arrives, so the batch is not paid twice.
+    With n8n's default wait (1 s) or the former 2 s, all 5 tries end within 8 s and the callback is lost."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    with socket.socket() as sock:  # a port nothing listens on yet: batchgate is "restarting"
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    received: list[tuple[float, dict]] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            received.append((time.monotonic(), json.loads(body)))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+    envelope = {"job_id": "job_restart", "seq": 0, "stage": "score", "attempt": 1,
+                "idempotency_key": "job_restart:0:score", "cursor": None, "items_url": None, "input": None,
+                "items": [{"id": "r1", "years": 12, "skills": ["python", "sql"]}],
+                "params": {"profile": PROFILE}, "callback_url": f"http://127.0.0.1:{port}/v1/callbacks/t"}
+    started = time.monotonic()
+    resp = requests.post(f"{n8n}/webhook/{WEBHOOKS['score']}", json=envelope, timeout=10)
+    assert resp.status_code == 200 and resp.json() == {"message": "Workflow was started"}, resp.text
+    time.sleep(12)  # the first tries (at 0, 5 and 10 s) find nothing listening
+    assert not received
+    server = ThreadingHTTPServer(("127.0.0.1", port), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 20
+        while not received:
+            assert time.monotonic() < deadline, "n8n gave up on the callback"
+            time.sleep(0.1)
+    finally:
+        server.shutdown()
+        server.server_close()
+    at, body = received[0]
+    assert body == {"status": "succeeded", "output": {"scores": {"r1": expected_score(envelope["items"][0])}}}
+    assert 12 <= at - started <= 22 and len(received) == 1
