@@ -20,6 +20,8 @@ Failure classes (observed on n8n 1.82.3 and 2.41.1; docs/n8n-notes.md has the bo
   not active (published): ``RETRYABLE``, ``outage``; the gateway waits without spending attempts and
   pauses the job when it lasts. A 404 that names another method ("Did you mean to make a GET request?")
   is ``FATAL``: the target's method is wrong.
+- While n8n boots: 200 "n8n is starting up. Please wait" (text/html, its migrations are running) and
+  503 "Database is not ready!": nothing ran, ``RETRYABLE``, ``outage`` (webhook and API alike).
 - 429: ``RETRYABLE``, ``outage``. 500 "Error in workflow": ``IF_IDEMPOTENT``. 401/403/409: ``FATAL``
   (409 "is running already": ``RETRYABLE``).
 - A poll 404 on an execution id n8n gave: n8n deleted the execution (the instance or workflow does not
@@ -65,6 +67,10 @@ NOT_REGISTERED = re.compile(r"is not registered|Cannot POST|Cannot [A-Z]+ /webho
 """A webhook 404 while n8n boots or before the workflow is active (JSON ``message`` or Express's HTML)."""
 OTHER_METHOD = re.compile(r"Did you mean to make an? ([A-Z]+) request", re.IGNORECASE)
 """The hint of a webhook 404 when the path is registered for another method."""
+STARTING_UP = "n8n is starting up. Please wait"
+"""n8n's answer (HTTP 200, text/html) to any request while its database migrations run (abstract-server)."""
+DB_NOT_READY = "Database is not ready"
+"""n8n's 503 message while its database is not connected: no workflow ran."""
 DELETED_HINT = ("save successful executions for polled flows (EXECUTIONS_DATA_SAVE_ON_SUCCESS=all or the "
                 "workflow setting)")
 
@@ -131,6 +137,7 @@ class N8nConnector:
         except PlatformError as err:
             raise _transport_error(err, call, target["url"], sent_means_unknown=True) from err.__cause__
         body = json_body(resp)
+        _raise_if_starting_up(resp, body, call, target["url"], {})
         if not resp.ok:
             raise _webhook_error(resp, body, call, target)
         pids = ids(execution_id=_execution_id(body))
@@ -154,6 +161,7 @@ class N8nConnector:
         except PlatformError as err:  # a GET changes nothing: a lost answer is only retried
             raise _transport_error(err, call, url, sent_means_unknown=False) from err.__cause__
         body = json_body(resp)
+        _raise_if_starting_up(resp, body, call, url, pids)
         if not resp.ok:
             raise _api_error(resp, body, call, pids)
         if not isinstance(body, dict):
@@ -214,6 +222,17 @@ def _transport_error(err: PlatformError, call: StageCall, url: str, *,
         what = f"n8n closed the connection without an answer ({type(cause).__name__})"
     return PlatformError(f"{what} after the call was sent: the workflow may have run", Retry.UNKNOWN,
                          platform_ids=pids)
+
+
+def _raise_if_starting_up(resp: requests.Response, body: Any, call: StageCall, url: str,
+                          pids: dict[str, str]) -> None:
+    """n8n answers before any workflow can run while it boots: an outage, whatever the status says."""
+    text = resp.text.strip() if body is None else platform_message(resp, body)
+    if (resp.status_code == 200 and body is None and text == STARTING_UP) or (
+            resp.status_code == 503 and DB_NOT_READY in text):
+        raise PlatformError(f"n8n at {urlsplit(url).netloc} is starting up (HTTP {resp.status_code}: "
+                            f"{clip(text, call)}): nothing ran", Retry.RETRYABLE, status=resp.status_code,
+                            retry_after_s=retry_after_s(resp), platform_ids=pids, outage=True)
 
 
 def _webhook_error(resp: requests.Response, body: Any, call: StageCall,

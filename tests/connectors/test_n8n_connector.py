@@ -33,19 +33,21 @@ PATH = "batchgate-store"
 EXPRESS_404 = (  # before n8n registers its routes: Express's default 404 page
     '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>Error</title>\n</head>\n'
     f'<body>\n<pre>Cannot POST /webhook/{PATH}</pre>\n</body>\n</html>\n')
-V1_NOT_REGISTERED = {  # n8n 1.82.3: routes up, the workflow not active (or not active yet)
-    "code": 404, "message": f'The requested webhook "POST {PATH}" is not registered.',
-    "hint": "The workflow must be active for a production URL to run successfully. You can activate the "
-            "workflow using the toggle in the top-right of the editor. Note that unlike test URL calls, "
-            "production URL calls aren't shown on the canvas (only in the executions list)"}
-V2_NOT_REGISTERED = {  # n8n 2.41.1: the same, "published" instead of "active"
-    "code": 404, "message": f'The requested webhook "POST {PATH}" is not registered.',
-    "hint": "The workflow must be active for a production URL to run successfully. You can activate the "
-            "workflow using the toggle in the top-right of the editor. Note that unlike test URL calls, "
-            "production URL calls aren't shown on the canvas (only in the executions list)"}
-WRONG_METHOD = {  # POST to an active webhook that listens for GET only
-    "code": 404, "message": f'The requested webhook "POST {PATH}" is not registered.',
-    "hint": "This webhook is not registered for POST requests. Did you mean to make a GET request?"}
+HINT = ("The workflow must be active for a production URL to run successfully. You can activate the "
+        "workflow using the toggle in the top-right of the editor. Note that unlike test URL calls, "
+        "production URL calls aren't shown on the canvas (only in the executions list)")
+V1_NOT_REGISTERED = {  # 1.82.3 and 2.41.1 alike once routes are up and the workflow is not (yet) active
+    "code": 404, "message": f'The requested webhook "POST {PATH}" is not registered.', "hint": HINT}
+V2_NOT_REGISTERED = {  # the same from 2.41.1 without NODE_ENV=production: a stacktrace rides along
+    **V1_NOT_REGISTERED,
+    "stacktrace": f'ResponseError: The requested webhook "POST {PATH}" is not registered.\n    at '
+                  "LiveWebhooks.findWebhook "
+                  "(/work/n8n/v2/node_modules/n8n/src/webhooks/live-webhooks.ts:283:10)"}
+WRONG_METHOD = {  # POST to an active webhook that listens for GET only (webhook-not-found.error.js)
+    "code": 404,
+    "message": "This webhook is not registered for POST requests. Did you mean to make a GET request?"}
+STARTING_UP = "n8n is starting up. Please wait"  # HTTP 200 text/html to any path while migrations run
+DB_NOT_READY = {"code": 503, "message": "Database is not ready!"}  # any path before the database connects
 API_NOT_FOUND = {"message": "Not Found"}  # GET /api/v1/executions/<deleted id>
 
 
@@ -104,11 +106,13 @@ class StandInN8n:
         if mode == "hold":  # the workflow runs longer than the call's timeout
             time.sleep(self.hold_s)
             return self.send(handler, 200, {"status": "succeeded", "output": {"late": True}})
+        if mode == "starting_up":
+            return self.send(handler, 200, STARTING_UP, content_type="text/html; charset=utf-8")
         if mode == "express_404":
             return self.send(handler, 404, EXPRESS_404, content_type="text/html; charset=utf-8")
         replies = {
             "v1_not_registered": (404, V1_NOT_REGISTERED), "v2_not_registered": (404, V2_NOT_REGISTERED),
-            "wrong_method": (404, WRONG_METHOD),
+            "wrong_method": (404, WRONG_METHOD), "db_not_ready": (503, DB_NOT_READY),
             "error_in_workflow": (500, {"code": 0, "message": "Error in workflow"}),
             "internal": (500, {"message": "Internal Server Error"}),
             "bad_gateway": (502, "<html><body>502 Bad Gateway</body></html>"),
@@ -126,6 +130,8 @@ class StandInN8n:
         self.send(handler, 200, {"status": "succeeded", "output": {"stored": 3}})
 
     def handle_api(self, handler: BaseHTTPRequestHandler) -> None:
+        if self.mode == "starting_up":
+            return self.send(handler, 200, STARTING_UP, content_type="text/html; charset=utf-8")
         if handler.headers.get("X-N8N-API-KEY") != N8N_API_KEY:
             return self.send(handler, 401, {"message": "unauthorized"})
         execution_id = handler.path.split("?")[0].rsplit("/", 1)[1]
@@ -180,15 +186,30 @@ def test_webhook_registered_for_another_method_is_fatal(n8n, session):
     assert not err.outage and "listens for GET: set the target's method" in err.message
 
 
+@pytest.mark.parametrize("mode", ["sync", "callback"])
+@pytest.mark.parametrize("boot", ["starting_up", "db_not_ready"])
+def test_n8n_starting_up_is_an_outage_not_an_answer(n8n, session, mode, boot):
+    """The 200 "starting up" page is neither a sync answer nor a callback acceptance: nothing ran."""
+    n8n.mode = boot
+    err = raises(R, lambda: trigger(n8n, session, mode=mode))
+    assert err.outage and "is starting up" in err.message and "nothing ran" in err.message
+
+
+def test_poll_while_n8n_starts_up_is_an_outage(n8n, session):
+    n8n.mode = "starting_up"
+    err = raises(R, lambda: get_connector("n8n").poll(stage(n8n.url), {"execution_id": "7"}, session))
+    assert err.outage and err.platform_ids == {"execution_id": "7"}
+
+
 def test_webhook_comes_up_after_boot(n8n, session):
-    """The same call is an outage while n8n boots and an answer once the workflow is registered."""
-    for mode in ("express_404", "v2_not_registered"):
+    """A restart as observed on real n8n: each phase is an outage, then the workflow answers."""
+    for mode in ("starting_up", "express_404", "v2_not_registered"):
         n8n.mode = mode
         assert raises(R, lambda: trigger(n8n, session)).outage
     n8n.mode = "ok"
     out = trigger(n8n, session)
     assert isinstance(out, Done) and out.answer.output == {"stored": 3}
-    assert n8n.webhook_calls == 3
+    assert n8n.webhook_calls == 4
 
 
 def test_sync_call_cut_after_send_is_unknown(n8n, session):
