@@ -10,16 +10,36 @@ The body is the envelope as JSON, so a flow reads ``{{ $json.body.items }}``. ``
 responds when the last node finishes (or through Respond to Webhook) with the answer contract, or with an
 execution id to poll through the public API (``api_url``). ``callback``: the Webhook node responds
 immediately and the flow posts its answer to the envelope's ``callback_url``.
+
+Failure classes (observed on n8n 1.82.3 and 2.41.1; docs/n8n-notes.md has the bodies):
+
+- Not delivered (connection refused, DNS, connect timeout, TLS handshake): ``RETRYABLE``, ``outage``.
+- Delivered, no answer (read timeout, connection dropped after the request was sent), and 5xx other than
+  500 "Error in workflow": ``UNKNOWN``, the workflow may have run; 503 also sets ``outage``.
+- 404 "webhook ... is not registered" or "Cannot POST /webhook/...": n8n is booting, or the workflow is
+  not active (published): ``RETRYABLE``, ``outage``; the gateway waits without spending attempts and
+  pauses the job when it lasts. A 404 that names another method ("Did you mean to make a GET request?")
+  is ``FATAL``: the target's method is wrong.
+- While n8n boots: 200 "n8n is starting up. Please wait" (text/html, its migrations are running) and
+  503 "Database is not ready!": nothing ran, ``RETRYABLE``, ``outage`` (webhook and API alike).
+- 429: ``RETRYABLE``, ``outage``. 500 "Error in workflow": ``IF_IDEMPOTENT``. 401/403/409: ``FATAL``
+  (409 "is running already": ``RETRYABLE``).
+- A poll 404 on an execution id n8n gave: n8n deleted the execution (the instance or workflow does not
+  save successful executions): ``UNKNOWN``.
 """
 
 from __future__ import annotations
 
 import base64
+import re
+import socket
+import ssl
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import requests
+import urllib3.exceptions
 
 from connectors.base import Accepted, Answer, Done, Outcome, PlatformError, Retry, Running, StageCall
 from connectors.targets import TargetChecker, checked
@@ -34,6 +54,7 @@ from connectors.transport import (
     parse_contract,
     platform_message,
     require_secret,
+    retry_after_s,
     send,
 )
 
@@ -42,6 +63,16 @@ FIELDS = ("url", "method", "mode", "auth", "auth_secret", "auth_header", "api_ur
 RUNNING_STATUSES = ("new", "running", "waiting")
 FAILED_STATUSES = ("error", "crashed")
 STARTED_MESSAGE = "Workflow was started"
+NOT_REGISTERED = re.compile(r"is not registered|Cannot POST|Cannot [A-Z]+ /webhook", re.IGNORECASE)
+"""A webhook 404 while n8n boots or before the workflow is active (JSON ``message`` or Express's HTML)."""
+OTHER_METHOD = re.compile(r"Did you mean to make an? ([A-Z]+) request", re.IGNORECASE)
+"""The hint of a webhook 404 when the path is registered for another method."""
+STARTING_UP = "n8n is starting up. Please wait"
+"""n8n's answer (HTTP 200, text/html) to any request while its database migrations run (abstract-server)."""
+DB_NOT_READY = "Database is not ready"
+"""n8n's 503 message while its database is not connected: no workflow ran."""
+DELETED_HINT = ("save successful executions for polled flows (EXECUTIONS_DATA_SAVE_ON_SUCCESS=all or the "
+                "workflow setting)")
 
 
 @dataclass(frozen=True)
@@ -99,11 +130,16 @@ class N8nConnector:
     def trigger(self, call: StageCall, session: requests.Session) -> Outcome:
         """Call the webhook with the envelope; read the answer, an execution id or an acceptance."""
         target = checked(validate_target, call.target)
-        resp = send(call, session, target["method"], target["url"], platform=PLATFORM,
-                    payload=call.envelope, auth=_webhook_auth(call, target))
+        auth = _webhook_auth(call, target)
+        try:
+            resp = send(call, session, target["method"], target["url"], platform=PLATFORM,
+                        payload=call.envelope, auth=auth)
+        except PlatformError as err:
+            raise _transport_error(err, call, target["url"], sent_means_unknown=True) from err.__cause__
         body = json_body(resp)
+        _raise_if_starting_up(resp, body, call, target["url"], {})
         if not resp.ok:
-            raise _webhook_error(resp, body, call)
+            raise _webhook_error(resp, body, call, target)
         pids = ids(execution_id=_execution_id(body))
         if target["mode"] == "callback":
             return Accepted(pids)
@@ -119,11 +155,15 @@ class N8nConnector:
                                 Retry.FATAL, platform_ids=pids)
         url = f"{target['api_url']}/api/v1/executions/{quote(execution_id, safe='')}?includeData=true"
         key = require_secret(call, "api_key_secret", PLATFORM)
-        resp = send(call, session, "GET", url, platform=PLATFORM, auth={"X-N8N-API-KEY": key},
-                    platform_ids=pids)
+        try:
+            resp = send(call, session, "GET", url, platform=PLATFORM, auth={"X-N8N-API-KEY": key},
+                        platform_ids=pids, poll=True)
+        except PlatformError as err:  # a GET changes nothing: a lost answer is only retried
+            raise _transport_error(err, call, url, sent_means_unknown=False) from err.__cause__
         body = json_body(resp)
+        _raise_if_starting_up(resp, body, call, url, pids)
         if not resp.ok:
-            raise http_error(resp, call, f"{PLATFORM} API", platform_ids=pids)
+            raise _api_error(resp, body, call, pids)
         if not isinstance(body, dict):
             raise PlatformError("n8n API answered without a JSON object", Retry.FATAL, platform_ids=pids)
         return _execution_outcome(body, handle, call, pids)
@@ -141,21 +181,115 @@ def _webhook_auth(call: StageCall, target: dict[str, Any]) -> dict[str, str]:
     return {"Authorization": "Basic " + base64.b64encode(secret.encode()).decode()}
 
 
-def _webhook_error(resp: requests.Response, body: Any, call: StageCall) -> PlatformError:
-    """Classify a webhook's error status by the contracts file."""
-    text = platform_message(resp, body)
-    status, retry, hint = resp.status_code, None, ""
+def _not_delivered(exc: BaseException | None) -> bool:
+    """Whether a transport failure happened before the request reached n8n (connect, DNS, TLS handshake)."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, (requests.ConnectTimeout, requests.exceptions.SSLError,
+                            urllib3.exceptions.ConnectTimeoutError, urllib3.exceptions.NameResolutionError,
+                            ConnectionRefusedError, socket.gaierror, ssl.SSLError)):
+            return True  # urllib3's NewConnectionError is a ConnectTimeoutError
+        stack.extend([getattr(err, "reason", None), err.__cause__, err.__context__,
+                      *(arg for arg in getattr(err, "args", ()) if isinstance(arg, BaseException))])
+    return False
+
+
+def _transport_error(err: PlatformError, call: StageCall, url: str, *,
+                     sent_means_unknown: bool) -> PlatformError:
+    """Reclassify a transport failure: not delivered is an outage; delivered without an answer is UNKNOWN.
+
+    ``send`` raises RETRYABLE for every connection error and timeout; a webhook call that reached n8n
+    may have started the workflow, so a read timeout or a dropped connection there is ``UNKNOWN``.
+    A refusal of the outbound guard (FATAL) and failures without a cause stay as they are.
+    """
+    cause = err.__cause__
+    if err.retry is Retry.FATAL or cause is None:
+        return err
+    pids = err.platform_ids
+    if _not_delivered(cause):
+        return PlatformError(f"could not reach n8n at {urlsplit(url).netloc}: {type(cause).__name__} "
+                             f"(the call was not delivered)", Retry.RETRYABLE, platform_ids=pids, outage=True)
+    if not sent_means_unknown:
+        return err
+    if isinstance(cause, requests.Timeout):
+        what = f"n8n did not answer within {call.timeout_s:g} s"
+    else:
+        what = f"n8n closed the connection without an answer ({type(cause).__name__})"
+    return PlatformError(f"{what} after the call was sent: the workflow may have run", Retry.UNKNOWN,
+                         platform_ids=pids)
+
+
+def _raise_if_starting_up(resp: requests.Response, body: Any, call: StageCall, url: str,
+                          pids: dict[str, str]) -> None:
+    """n8n answers before any workflow can run while it boots: an outage, whatever the status says."""
+    text = resp.text.strip() if body is None else platform_message(resp, body)
+    if (resp.status_code == 200 and body is None and text == STARTING_UP) or (
+            resp.status_code == 503 and DB_NOT_READY in text):
+        raise PlatformError(f"n8n at {urlsplit(url).netloc} is starting up (HTTP {resp.status_code}: "
+                            f"{clip(text, call)}): nothing ran", Retry.RETRYABLE, status=resp.status_code,
+                            retry_after_s=retry_after_s(resp), platform_ids=pids, outage=True)
+
+
+def _webhook_error(resp: requests.Response, body: Any, call: StageCall,
+                   target: dict[str, Any]) -> PlatformError:
+    """Classify a webhook's error status (module docstring)."""
+    text = _short_message(resp, body)
+    status, retry, hint, outage = resp.status_code, None, "", False
+    pids = ids(execution_id=_execution_id(body))
+    if status == 404 and NOT_REGISTERED.search(text):
+        other = OTHER_METHOD.search(resp.text or "")
+        if other and other.group(1).upper() != target["method"].upper():
+            return http_error(resp, call, PLATFORM, retry=Retry.FATAL, message=text, platform_ids=pids,
+                              hint=f" (the webhook listens for {other.group(1).upper()}: set the target's "
+                                   f"method)")
+        err = PlatformError(f"n8n has no active webhook at {clip(target['url'], call)}: activate/publish the "
+                            f"workflow (n8n answered HTTP 404: {clip(text, call)})", Retry.RETRYABLE,
+                            status=status, platform_ids=pids, outage=True)
+        err.retry_after_s = retry_after_s(resp)
+        return err
     if status == 500 and "Error in workflow" in text:
         retry, hint = Retry.IF_IDEMPOTENT, " (the workflow ran and failed; it may have had side effects)"
-    elif status == 404 and "not registered" in text:
-        retry, hint = Retry.FATAL, (" (is the workflow active? right after activation this can last a few "
-                                    "seconds)")
+    elif status == 429:
+        retry, outage = Retry.RETRYABLE, True
+    elif status >= 500:
+        retry, outage = Retry.UNKNOWN, status == 503
+        hint = " (the workflow may have run)"
     elif status == 409 and "is running already" in text:
         retry = Retry.RETRYABLE
     elif status in (401, 403, 409):
         retry = Retry.FATAL
-    return http_error(resp, call, PLATFORM, retry=retry, message=text, hint=hint,
-                      platform_ids=ids(execution_id=_execution_id(body)))
+    err = http_error(resp, call, PLATFORM, retry=retry, message=text, hint=hint, platform_ids=pids)
+    if outage:
+        err.outage, err.retry_after_s = True, retry_after_s(resp)
+    return err
+
+
+def _api_error(resp: requests.Response, body: Any, call: StageCall, pids: dict[str, str]) -> PlatformError:
+    """A public API error on a poll: 404 means n8n deleted the execution it gave; 429/503 an outage."""
+    if resp.status_code == 404 and isinstance(body, dict):
+        return PlatformError(f"n8n deleted execution {pids.get('execution_id')}: {DELETED_HINT} "
+                             f"(n8n answered HTTP 404: {clip(platform_message(resp, body), call)})",
+                             Retry.UNKNOWN, status=404, platform_ids=pids)
+    err = http_error(resp, call, f"{PLATFORM} API", platform_ids=pids, poll=True)
+    if resp.status_code in (429, 503):
+        err.outage = True
+    return err
+
+
+def _short_message(resp: requests.Response, body: Any) -> str:
+    """n8n's message: the JSON ``message`` (with its ``hint``), or the text of an HTML error page."""
+    text = platform_message(resp, body)
+    if isinstance(body, dict) and isinstance(body.get("hint"), str) and body["hint"]:
+        text = f"{text} {body['hint']}"
+    if body is None and "<" in text:
+        pre = re.search(r"<pre>(.*?)</pre>", text, re.DOTALL | re.IGNORECASE)
+        text = pre.group(1) if pre else re.sub(r"<[^>]+>", " ", text)
+    return text
 
 
 def _execution_id(body: Any) -> str | None:

@@ -1,14 +1,16 @@
 """Push mode against a REAL n8n: batchgate drives the example workflows in examples/platforms/n8n/.
 
-Needs an n8n (tested with 1.82.3) at http://127.0.0.1:5678 (or ``BATCHGATE_TEST_N8N_URL``) with both
-example workflows imported and active; skipped when n8n is not reachable (CI has none) or the webhooks
-are not registered. Setup, once (examples/platforms/n8n/README.md has the install):
+Runs against whichever n8n answers at ``BATCHGATE_TEST_N8N_URL`` (default http://127.0.0.1:5678); tested
+with 1.82.3 and 2.41.1 (docs/n8n-notes.md has the results). Needs both example workflows imported and
+active; skipped when n8n is not reachable (CI has none) or the webhooks are not registered. Setup, once
+(examples/platforms/n8n/README.md has the install):
 
-    npx n8n import:workflow --input=examples/platforms/n8n/resume-screening-score.json
-    npx n8n import:workflow --input=examples/platforms/n8n/resume-screening-store.json
-    npx n8n update:workflow --id=bgScore0000000001 --active=true
-    npx n8n update:workflow --id=bgStore0000000001 --active=true
-    mkdir -p /tmp/batchgate-store && npx n8n start      # (re)start so the activation takes effect
+    n8n import:workflow --input=examples/platforms/n8n/resume-screening-score.json
+    n8n import:workflow --input=examples/platforms/n8n/resume-screening-store.json
+    n8n publish:workflow --id=bgScore0000000001    # 2.x; 1.x: n8n update:workflow --id=... --active=true
+    n8n publish:workflow --id=bgStore0000000001
+    mkdir -p /tmp/batchgate-store
+    N8N_RESTRICT_FILE_ACCESS_TO=/tmp/batchgate-store n8n start   # (re)start so the activation takes effect
 
 The job is examples/platforms/n8n/flow.yaml over 40 inline resumes: the score stage goes to the
 callback-mode webhook (n8n answers "Workflow was started" and its HTTP Request node POSTs the answer to the
@@ -16,6 +18,11 @@ signed callback URL, so n8n must reach this test's API on 127.0.0.1), the store 
 which writes one file per Idempotency-Key under /tmp/batchgate-store and answers the contract. It runs
 twice: items inline, and every batch by ``items_url`` (the Code node GETs the items from batchgate).
 RQ workers run as real processes.
+
+With ``BATCHGATE_TEST_N8N_API_KEY`` (an n8n API key with workflow create/read/delete/activate/deactivate and
+execution read scopes) one more test creates a probe workflow through the public API and checks the
+connector's classes against the real answers: a deleted execution (the workflow saves no successful
+executions), "Error in workflow", a webhook that is not registered, a webhook of another method.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -36,11 +44,14 @@ import pytest
 import requests
 import yaml
 
+from connectors import get_connector
+from connectors.base import PlatformError, Retry, Running
 from gateway.app import create_app
 from gateway.dispatch import Dispatcher
 from gateway.ledger import Ledger
 from gateway.supervisor import Supervisor
 from tests.conftest import TOKEN
+from tests.connectors.helpers import call
 from tests.http import ApiClient, serve_app
 
 pytestmark = pytest.mark.n8n
@@ -52,6 +63,25 @@ STORE_DIR = Path("/tmp/batchgate-store")  # where the store workflow's Read/Writ
 PROFILE = {"title": "data engineer", "skills": ["python", "sql", "airflow", "spark", "dbt"]}
 SKILLS = ["python", "sql", "airflow", "spark", "dbt", "kafka", "go", "react", "k8s", "terraform"]
 RETRY = {"initial_interval": 0.5, "maximum_interval": 5, "maximum_attempts": 5}
+N8N_API_KEY = os.environ.get("BATCHGATE_TEST_N8N_API_KEY", "")
+PROBE_PATH = "batchgate-test-probe"
+PROBE_WORKFLOW = {  # answers its execution id (or fails on params.fail) and saves no successful execution
+    "name": "batchgate test: probe (created and deleted by tests/test_n8n_real.py)",
+    "nodes": [
+        {"id": "b9a0c1d2-0000-4000-8000-000000000001", "name": "Webhook", "type": "n8n-nodes-base.webhook",
+         "typeVersion": 2, "position": [0, 0], "webhookId": "b9a0c1d2-0000-4000-8000-0000000000a1",
+         "parameters": {"httpMethod": "POST", "path": PROBE_PATH, "responseMode": "lastNode",
+                        "responseData": "firstEntryJson", "options": {}}},
+        {"id": "b9a0c1d2-0000-4000-8000-000000000002", "name": "Answer", "type": "n8n-nodes-base.code",
+         "typeVersion": 2, "position": [240, 0],
+         "parameters": {"mode": "runOnceForAllItems", "language": "javaScript",
+                        "jsCode": "const env = $('Webhook').first().json.body || {};\n"
+                                  "if (env.params && env.params.fail) { throw new Error('probe failure'); }\n"
+                                  "return [{ json: { executionId: $execution.id } }];\n"}},
+    ],
+    "connections": {"Webhook": {"main": [[{"node": "Answer", "type": "main", "index": 0}]]}},
+    "settings": {"executionOrder": "v1", "saveDataSuccessExecution": "none", "saveDataErrorExecution": "all"},
+}
 
 
 def expected_score(resume: dict) -> int:
@@ -83,7 +113,8 @@ def n8n() -> str:
         resp = requests.get(f"{N8N_URL}/webhook/{path}", timeout=5)
         if "make a POST request" not in resp.text:
             pytest.skip(f"n8n at {N8N_URL} has no active webhook POST /webhook/{path}: import and activate "
-                        f"examples/platforms/n8n/*.json, then restart n8n ({resp.status_code} {resp.text[:120]})")
+                        f"examples/platforms/n8n/*.json, then restart n8n "
+                        f"({resp.status_code} {resp.text[:120]})")
     return N8N_URL
 
 
@@ -91,7 +122,8 @@ def n8n_flow(base: str, resumes: list[dict]) -> dict:
     """examples/platforms/n8n/flow.yaml, pointed at ``base``, over this test's resumes, retrying sooner."""
     text = FLOW_FILE.read_text().replace("http://127.0.0.1:5678", base)
     flow = yaml.safe_load(text)
-    flow.update({"id": "n8n-real", "batching": {"max_items": 5}, "source": {"type": "inline", "items": resumes}})
+    flow.update({"id": "n8n-real", "batching": {"max_items": 5},
+                 "source": {"type": "inline", "items": resumes}})
     for stage in flow["stages"]:
         stage["retry"] = RETRY
     assert [s["target"]["url"] for s in flow["stages"]] == [f"{base}/webhook/{p}" for p in WEBHOOKS.values()]
@@ -189,3 +221,132 @@ def test_push_job_runs_end_to_end_on_real_n8n(n8n, settings, redis_client, tmp_p
 def worker_logs(folder: Path) -> str:
     return "\n".join(p.read_text()[-2000:] for p in sorted(folder.glob("worker*.log")))
 
+
+
+def wait_registered(url: str, registered: bool = True, within_s: float = 15) -> float:
+    """Seconds until the POST webhook at ``url`` is (un)registered, probed by a GET, which runs nothing.
+
+    An activation or deactivation through the API takes effect a moment after n8n answers it.
+    """
+    started = time.monotonic()
+    while ("make a POST request" in requests.get(url, timeout=5).text) is not registered:
+        assert time.monotonic() - started < within_s, f"{url} registered={not registered} after {within_s} s"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+@pytest.fixture
+def probe(n8n):
+    """The probe workflow, created and activated through n8n's public API, deleted afterwards."""
+    if not N8N_API_KEY:
+        pytest.skip("set BATCHGATE_TEST_N8N_API_KEY (an n8n API key) to check the failure classes on real "
+                    "n8n")
+    api = requests.Session()
+    api.headers["X-N8N-API-KEY"] = N8N_API_KEY
+    resp = api.post(f"{n8n}/api/v1/workflows", json=PROBE_WORKFLOW, timeout=10)
+    assert resp.status_code == 200, resp.text
+    workflow_id = resp.json()["id"]
+    try:
+        resp = api.post(f"{n8n}/api/v1/workflows/{workflow_id}/activate", timeout=10)
+        assert resp.status_code == 200, resp.text
+        wait_registered(f"{n8n}/webhook/{PROBE_PATH}")
+        yield api, workflow_id
+    finally:
+        api.post(f"{n8n}/api/v1/workflows/{workflow_id}/deactivate", timeout=10)
+        api.delete(f"{n8n}/api/v1/workflows/{workflow_id}", timeout=10)
+
+
+def test_failure_classes_on_real_n8n(n8n, probe):
+    """The connector's classes against real answers (docs/n8n-notes.md)."""
+    api, workflow_id = probe
+    connector, session = get_connector("n8n"), requests.Session()
+
+    def stage(fail: bool = False, **target):
+        return call({"type": "n8n", "url": f"{n8n}/webhook/{PROBE_PATH}", "api_url": n8n,
+                     "api_key_secret": "N8N_KEY", **target}, {"api_key_secret": N8N_API_KEY}, timeout_s=15,
+                    params={"fail": "yes"} if fail else {})
+
+    def error_of(fn) -> PlatformError:
+        with pytest.raises(PlatformError) as info:
+            fn()
+        return info.value
+
+    # a sync answer with an execution id is polled; the instance deleted the successful execution
+    out = connector.trigger(stage(), session)
+    assert isinstance(out, Running), out
+    deadline = time.monotonic() + 10
+    while True:  # n8n deletes the execution once it has finished
+        try:
+            polled = connector.poll(stage(), out.handle, session)
+        except PlatformError as exc:
+            err = exc
+            break
+        assert isinstance(polled, Running) and time.monotonic() < deadline, polled
+        time.sleep(0.2)
+    assert err.retry is Retry.UNKNOWN and err.status == 404, err.message
+    assert err.message.startswith(f"n8n deleted execution {out.handle['execution_id']}: save successful "
+                                  f"executions for polled flows"), err.message
+
+    # the workflow ran and failed
+    err = error_of(lambda: connector.trigger(stage(fail=True), session))
+    assert err.retry is Retry.IF_IDEMPOTENT and err.status == 500 and "Error in workflow" in err.message
+
+    # a webhook of another method
+    err = error_of(lambda: connector.trigger(stage(method="PUT"), session))
+    assert err.retry is Retry.FATAL and not err.outage and "listens for POST" in err.message, err.message
+
+    # not active any more: not registered, an outage with the activation advice
+    resp = api.post(f"{n8n}/api/v1/workflows/{workflow_id}/deactivate", timeout=10)
+    assert resp.status_code == 200, resp.text
+    wait_registered(f"{n8n}/webhook/{PROBE_PATH}", registered=False)
+    err = error_of(lambda: connector.trigger(stage(), session))
+    assert err.retry is Retry.RETRYABLE and err.outage and err.status == 404, err.message
+    assert err.message.startswith(f"n8n has no active webhook at {n8n}/webhook/{PROBE_PATH}: "
+                                  f"activate/publish the workflow"), err.message
+
+
+def test_score_callback_outlives_a_restart_of_batchgate(n8n):
+    """The score workflow's HTTP Request node retries its callback (5 tries, 5 s apart): a callback posted
+    while batchgate restarts (nothing listening for 12 s) still arrives, so the batch is not paid twice.
+    With n8n's default wait (1 s) or the former 2 s, all 5 tries end within 8 s and the callback is lost."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    with socket.socket() as sock:  # a port nothing listens on yet: batchgate is "restarting"
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    received: list[tuple[float, dict]] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            received.append((time.monotonic(), json.loads(body)))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+    envelope = {"job_id": "job_restart", "seq": 0, "stage": "score", "attempt": 1,
+                "idempotency_key": "job_restart:0:score", "cursor": None, "items_url": None, "input": None,
+                "items": [{"id": "r1", "years": 12, "skills": ["python", "sql"]}],
+                "params": {"profile": PROFILE}, "callback_url": f"http://127.0.0.1:{port}/v1/callbacks/t"}
+    started = time.monotonic()
+    resp = requests.post(f"{n8n}/webhook/{WEBHOOKS['score']}", json=envelope, timeout=10)
+    assert resp.status_code == 200 and resp.json() == {"message": "Workflow was started"}, resp.text
+    time.sleep(12)  # the first tries (at 0, 5 and 10 s) find nothing listening
+    assert not received
+    server = ThreadingHTTPServer(("127.0.0.1", port), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 20
+        while not received:
+            assert time.monotonic() < deadline, "n8n gave up on the callback"
+            time.sleep(0.1)
+    finally:
+        server.shutdown()
+        server.server_close()
+    at, body = received[0]
+    assert body == {"status": "succeeded", "output": {"scores": {"r1": expected_score(envelope["items"][0])}}}
+    assert 12 <= at - started <= 22 and len(received) == 1

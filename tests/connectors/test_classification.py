@@ -44,9 +44,8 @@ def coze_call(**target):
 
 # ---- transport, shared by all ----
 
-CONNECTORS = [
+CONNECTORS = [  # n8n's own classes: tests/connectors/test_n8n_connector.py
     ("http", http_call, "https://flow.example/run"),
-    ("n8n", n8n_call, HOOK),
     ("dify", dify_call, f"{DIFY}/v1/workflows/run"),
     ("coze", coze_call, f"{COZE}/v1/workflow/run"),
 ]
@@ -93,9 +92,7 @@ def test_a_request_delivered_without_answer_is_unknown(mock, session, kind, make
 
 
 @pytest.mark.parametrize("kind, make, url, handle, ids", [
-    pytest.param("n8n", n8n_call, N8N_API, {"execution_id": "77"}, {"execution_id": "77"},
-                 marks=pytest.mark.xfail(strict=True, reason="connectors/n8n.py (other owner) must pass "
-                                                             "poll=True to send() for its executions API")),
+    ("n8n", n8n_call, N8N_API, {"execution_id": "77"}, {"execution_id": "77"}),
     ("dify", dify_call, f"{DIFY}/v1/workflows/run/r-1", {"run_id": "r-1"}, {"workflow_run_id": "r-1"}),
     ("coze", coze_call, f"{COZE}/v1/workflows/73/run_histories/e-9", {"execute_id": "e-9"},
      {"execute_id": "e-9"}),
@@ -183,8 +180,10 @@ def test_http_has_nothing_to_poll(session):
 @pytest.mark.parametrize("status, body, retry, fragment", [
     (500, {"message": "Error in workflow"}, IDEM, "Error in workflow"),
     (500, {"message": "Internal error"}, U, "Internal error"),
-    (404, {"code": 404, "message": 'The requested webhook "POST batch" is not registered.'}, F, "activation"),
-    (404, {"code": 404, "message": "This webhook is not registered for GET requests."}, F, "not registered"),
+    (404, {"code": 404, "message": 'The requested webhook "POST batch" is not registered.'}, R, "activate"),
+    (404, {"code": 404, "message": 'The requested webhook "POST batch" is not registered.',
+           "hint": "The workflow must be active for a production URL to run successfully. Did you mean to "
+                   "make a GET request?"}, F, "listens for GET"),
     (401, "Authorization is required!", F, "Authorization is required"),
     (403, "Authorization data is wrong!", F, "wrong"),
     (409, {"message": 'The execution "5" is running already.'}, R, "running already"),
@@ -199,7 +198,8 @@ def test_n8n_webhook_errors(mock, session, status, body, retry, fragment):
     mock.post(HOOK, status=status, headers={"Retry-After": "3"}, **kwargs)
     err = raises(retry, lambda: get_connector("n8n").trigger(n8n_call(), session), HOOK_SECRET, N8N_API_KEY)
     assert fragment in err.message and err.status == status
-    assert err.retry_after_s == (3.0 if retry is R or status == 503 else None)
+    assert err.outage is (status in (404, 429, 503) and retry is not F)
+    assert err.retry_after_s == (3.0 if err.retry is R or err.outage else None)
 
 
 def test_n8n_sync_contract_answer(mock, session):
@@ -297,11 +297,7 @@ def test_n8n_poll_failures(mock, session, status, retry):
     assert err.platform_ids == {"execution_id": "77"} and status in err.message
 
 
-@pytest.mark.parametrize("status, retry", [
-    (401, F), (404, F), (429, R),
-    pytest.param(503, R, marks=pytest.mark.xfail(
-        strict=True, reason="connectors/n8n.py (other owner) must pass poll=True to http_error for its API")),
-])
+@pytest.mark.parametrize("status, retry", [(401, F), (404, U), (429, R), (503, R)])
 def test_n8n_poll_http_errors(mock, session, status, retry):
     mock.get(N8N_API, status=status, json={"message": "x"})
     assert raises(retry, lambda: n8n_poll(session)).platform_ids == {"execution_id": "77"}
