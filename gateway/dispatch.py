@@ -351,7 +351,15 @@ class Dispatcher:
                     if (value := self.settings.secret_for(spec.tenant, v)) is not None}
         return StageCall(envelope=envelope, target=stage.target, secrets=resolved,
                          timeout_s=stage.timeout.total_seconds(),
-                         signing_key=self.settings.signing_secret(), idempotent=stage.idempotent)
+                         signing_key=self.settings.signing_secret(), idempotent=stage.idempotent,
+                         on_progress=lambda: self._alive(spec.job_id, seq, token))
+
+    def _alive(self, job_id: str, seq: int, token: str) -> None:
+        """The platform shows life during a long call (a Dify stream event): heartbeat the lease."""
+        try:
+            self.ledger.heartbeat(job_id, seq, token)
+        except (StaleLease, NotFound, JobCancelled):
+            pass
 
     def _envelope(self, spec: JobSpec, stage: Stage, batch: dict[str, str], seq: int, stage_idx: int,
                   attempt: int, token: str, items: Any) -> dict[str, Any]:
@@ -387,6 +395,14 @@ class Dispatcher:
                 return
             if probe:
                 self._target_ok(tid)  # the target answered (whatever it said): its breaker closes
+            if (isinstance(outcome, PlatformError) and outcome.retry is Retry.UNKNOWN
+                    and not stage.idempotent and outcome.handle):
+                # the flow may have run and the platform gave its run id: learn the outcome by polling
+                # it rather than run it again (or fail it as outcome_unknown)
+                self.ledger.note(job_id, "outcome_unknown_polling", **where, error=outcome.message[:500],
+                                 **outcome.platform_ids)
+                self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, outcome.handle)
+                return
             if isinstance(outcome, PlatformError):
                 self.ledger.note(job_id, "platform_error", **where, error=outcome.message[:500],
                                  retry=outcome.retry.value, status=outcome.status, code=outcome.code,

@@ -251,6 +251,10 @@ def batch_view(spec: JobSpec, fields: dict[str, str], full: bool) -> dict[str, A
         "end_cursor": loads_or_none(fields.get("end_cursor")),
         "items": int(fields.get("n_items") or 0),
         "error": fields.get("error") or None,
+        # outcome_unknown: the flow may have run and its outcome could not be learned (never re-run)
+        "error_type": fields.get("error_type") or None,
+        # attempts that count against maximum_attempts (a wait for an unavailable target does not)
+        "attempts_spent": int(fields.get("attempt") or 0) - int(fields.get("unspent") or 0),
     }
     if full:
         view["stages"] = {

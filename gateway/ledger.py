@@ -403,7 +403,7 @@ class Ledger(ControlOps):
             args=[token, message[:2000], "1" if retryable else "0", *self._policy_args(policy),
                   self.settings.log_maxlen, spec.budget_total,
                   spec.flow.tolerated_failure_percentage, actor,
-                  int(min_delay.total_seconds() * 1000) if min_delay else 0])
+                  int(min_delay.total_seconds() * 1000) if min_delay else 0, error_type or ""])
         self._raise_for(res, job_id, seq)
         log.info("stage failed job_id=%s seq=%s attempt=%s outcome=%s", job_id, seq, res[1], res[0])
         return {"job_id": job_id, "seq": seq, "attempt": int(res[1]), "outcome": res[0]}

@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import redis
+from pydantic import SecretStr
 
 from gateway.embedded import EmbeddedRedis, client_for
 from tests.test_worker_concurrency import stack
@@ -115,7 +116,7 @@ def test_redis_restart_platform_outage_boot_404s_and_a_stopped_worker_spend_no_a
     server = EmbeddedRedis(tmp_path / "redis")
     url = server.start()
     client = client_for(url)
-    own = settings.model_copy(update={"redis_url": url})
+    own = settings.model_copy(update={"redis_url": SecretStr(url)})
     platform = ChaosPlatform(delay=0.2)
     flow = {"id": "chaos", "version": "1", "batching": {"max_items": 1}, "concurrency": 4,
             "source": {"type": "sequence", "count": batches},

@@ -5,6 +5,7 @@
 -- ARGV[5] initial interval (ms)   ARGV[6] backoff coefficient   ARGV[7] maximum interval (ms)
 -- ARGV[8] jitter in [0,1)   ARGV[9] log maxlen   ARGV[10] budget total   ARGV[11] tolerated failure %
 -- ARGV[12] actor   ARGV[13] minimum delay before the retry (ms; Retry-After)
+-- ARGV[14] error type ('' = none; e.g. outcome_unknown, shown with the batch and in retry-failed)
 -- Returns {'retry'|'failed', attempt, job status} | {'stale', status, attempt} | {'cancelled'}
 --       | {'corrupt'} | {'missing'}
 -- Invariant: only the current lease holder can fail an attempt; a batch out of attempts or with a fatal
@@ -25,6 +26,6 @@ local outcome = fail_attempt(k, job, batch, batch['seq'], {now = now_ms(), messa
   retryable = ARGV[3] == '1', max_attempts = tonumber(ARGV[4]), initial_ms = tonumber(ARGV[5]),
   coef = tonumber(ARGV[6]), max_ms = tonumber(ARGV[7]), jitter = tonumber(ARGV[8]), maxlen = ARGV[9],
   budget_total = ARGV[10], tolerated_pct = tonumber(ARGV[11]), actor = ARGV[12],
-  min_delay_ms = tonumber(ARGV[13])})
+  min_delay_ms = tonumber(ARGV[13]), error_type = ARGV[14]})
 if outcome == 'corrupt' then return {'corrupt'} end
 return {outcome, batch['attempt'], job['status']}

@@ -171,7 +171,7 @@ local function fail_attempt(k, job, batch, seq, p)
   local now = p.now
   local attempt = tonumber(batch['attempt'])
   local spent = attempt - tonumber(batch['unspent'] or '0')
-  local bchg = {lease_token = '', deadline_ms = '', error = p.message}
+  local bchg = {lease_token = '', deadline_ms = '', error = p.message, error_type = p.error_type or ''}
   bchg['st:' .. stage] = 'failed'
   local jchg = {updated_ms = int(now)}
   local outcome, ready_at
@@ -201,6 +201,6 @@ local function fail_attempt(k, job, batch, seq, p)
   save(k.job, job, jchg)
   log(k.log, p.maxlen, {'event', outcome == 'retry' and 'retry_scheduled' or 'batch_failed',
     'seq', seq, 'stage', stage, 'attempt', int(attempt), 'error', p.message,
-    'retryable', p.retryable and '1' or '0', 'actor', p.actor})
+    'retryable', p.retryable and '1' or '0', 'actor', p.actor, 'error_type', p.error_type or ''})
   return outcome
 end
