@@ -1,15 +1,19 @@
-"""One `batchgate worker` process against a slow platform: --concurrency 1 (the baseline) vs 64.
+"""One `batchgate worker` process against a slow platform: calls in flight, time against the ideal, RSS.
 
-Run: .venv/bin/python benchmarks/bench_worker_concurrency.py [BATCHES] [DELAY_S]   (defaults 64, 2.0)
-A local sync platform answers each call after DELAY_S seconds and counts the calls in flight. A one-stage
-push flow (concurrency 64, max_in_flight 64) over BATCHES batches runs twice on a fresh job, each time
-with one worker process: first --concurrency 1, then --concurrency 64; each is timed from job creation
-to 'succeeded'. Prints both times, the speed-up, the peak calls in flight and the paid calls per batch.
+Run: .venv/bin/python benchmarks/bench_worker_concurrency.py [BATCHES] [CONCURRENCY] [DELAY_S]
+     (defaults 400, 200, 2.0: the issue's case)
+A local sync platform answers each call after DELAY_S seconds and counts the calls in flight and the
+calls per batch. A one-stage push flow (concurrency CONCURRENCY, max_in_flight CONCURRENCY) over BATCHES
+one-item batches runs with one `batchgate worker --concurrency CONCURRENCY` process, timed from job
+creation to 'succeeded'. The baseline is the ideal: ceil(BATCHES / CONCURRENCY) x DELAY_S (every call
+as soon as it may start). Targets: peak calls in flight >= 90 % of CONCURRENCY, time <= 2x the ideal,
+paid calls == batches, the worker's peak RSS (process and children, VmRSS) < 300 MB.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,7 +22,6 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from _common import ledger_on_private_redis
-from rq import Worker
 
 from gateway.dispatch import Dispatcher
 from gateway.flows import parse_flow
@@ -28,6 +31,7 @@ from gateway.jobs import JobRequest
 class SlowPlatform:
     def __init__(self, delay: float) -> None:
         self.delay, self.calls, self.in_flight, self.peak = delay, 0, 0, 0
+        self.per_seq: dict[int, int] = {}
         self.lock = threading.Lock()
         outer = self
 
@@ -39,6 +43,7 @@ class SlowPlatform:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with outer.lock:
                     outer.calls += 1
+                    outer.per_seq[body["seq"]] = outer.per_seq.get(body["seq"], 0) + 1
                     outer.in_flight += 1
                     outer.peak = max(outer.peak, outer.in_flight)
                 time.sleep(outer.delay)
@@ -59,60 +64,79 @@ class SlowPlatform:
 
     def reset(self) -> None:
         with self.lock:
-            self.calls, self.peak = 0, 0
+            self.calls, self.peak, self.per_seq = 0, 0, {}
 
 
-def run(service, env, platform: SlowPlatform, batches: int, concurrency: int, tag: str) -> float:
-    flow = parse_flow({"id": f"slow-{tag}", "version": "1", "concurrency": 64, "batching": {"max_items": 1},
+def rss_mb(pid: int) -> float:
+    """VmRSS of ``pid`` and its children (MB)."""
+    total = 0
+    pids = [pid]
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            pass
+    return total / 1024
+
+
+def run(service, env, platform: SlowPlatform, batches: int, concurrency: int) -> tuple[float, float]:
+    flow = parse_flow({"id": "slow", "version": "1", "concurrency": concurrency, "batching": {"max_items": 1},
                        "source": {"type": "sequence", "count": batches},
                        "stages": [{"name": "score", "lease": 30, "timeout": 10,
                                    "target": {"type": "http", "url": platform.url, "mode": "sync",
-                                              "max_in_flight": 64}}]})
+                                              "max_in_flight": concurrency}}]})
     service.flows.register("bench", flow)
     ledger = service.ledger
-    dispatcher = Dispatcher.build(ledger.settings, ledger)
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "worker",
                              "--concurrency", str(concurrency)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    boot = time.monotonic() + 60  # let the worker boot: every thread registered with RQ
-    while Worker.count(queue=dispatcher.queue) < concurrency and time.monotonic() < boot:
-        time.sleep(0.1)
+    time.sleep(3)  # let the worker boot
     platform.reset()
+    peak_rss = 0.0
     try:
         t0 = time.perf_counter()
-        job_id = service.create("bench", JobRequest(flow_id=f"slow-{tag}"))["job_id"]
-        dispatcher.pump(job_id)
+        job_id = service.create("bench", JobRequest(flow_id="slow"))["job_id"]
+        Dispatcher.build(ledger.settings, ledger).kick(job_id)  # as the API does on creation
         while ledger.r.hget(ledger.keys.job(job_id).job, "status") == "running":
+            peak_rss = max(peak_rss, rss_mb(proc.pid))
             time.sleep(0.02)
         elapsed = time.perf_counter() - t0
         assert ledger.r.hget(ledger.keys.job(job_id).job, "status") == "succeeded"
     finally:
         proc.terminate()
         proc.wait()
-    return elapsed
+    return elapsed, peak_rss
 
 
 def main() -> None:
-    batches = int(sys.argv[1]) if len(sys.argv) > 1 else 64
-    delay = float(sys.argv[2]) if len(sys.argv) > 2 else 2.0
+    batches = int(sys.argv[1]) if len(sys.argv) > 1 else 400
+    concurrency = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+    delay = float(sys.argv[3]) if len(sys.argv) > 3 else 2.0
     platform = SlowPlatform(delay)
     with ledger_on_private_redis() as (ledger, service):
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))  # the worker may use every core
         settings = ledger.settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"],
                                                       "signing_key": "bench-signing-key"})
         ledger.settings = settings
         env = {**os.environ, "BATCHGATE_REDIS_URL": settings.redis_url.get_secret_value(),
                "BATCHGATE_KEY_PREFIX": settings.key_prefix, "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]',
                "BATCHGATE_SIGNING_KEY": "bench-signing-key", "BATCHGATE_LOG_LEVEL": "WARNING"}
-        t1 = run(service, env, platform, batches, 1, "c1")
-        calls1, peak1 = platform.calls, platform.peak
-        t64 = run(service, env, platform, batches, 64, "c64")
-        calls64, peak64 = platform.calls, platform.peak
+        elapsed, rss = run(service, env, platform, batches, concurrency)
     platform.server.shutdown()
-    print(f"{batches} batches, platform {delay:g} s per call, one worker process")
-    for name, t, peak, calls in (("1: ", t1, peak1, calls1), ("64:", t64, peak64, calls64)):
-        print(f"--concurrency {name} {t:6.2f} s, peak {peak} calls in flight, "
-              f"{calls / batches:.2f} paid calls per batch")
-    print(f"speed-up 64 vs 1 = {t1 / t64:.1f}x")
+    ideal = math.ceil(batches / concurrency) * delay
+    paid = platform.calls
+    duplicates = sum(n - 1 for n in platform.per_seq.values())
+    print(f"{batches} batches, platform {delay:g} s per call, one worker process --concurrency {concurrency}")
+    print(f"time {elapsed:.2f} s vs ideal {ideal:.2f} s: {elapsed / ideal:.2f}x the ideal (target <= 2x)")
+    print(f"peak calls in flight {platform.peak} of {concurrency} (target >= {int(0.9 * concurrency)})")
+    print(f"paid calls {paid} for {batches} batches, {duplicates} duplicates (target: equal, 0)")
+    print(f"worker peak RSS {rss:.0f} MB (target < 300 MB)")
 
 
 if __name__ == "__main__":
