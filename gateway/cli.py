@@ -170,7 +170,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = Settings()
     connect(settings)[0].close()  # NoLedgerRedis now, not once per gunicorn worker
     port = args.port or settings.port
-    os.execvp(sys.executable, [sys.executable, "-m", "gunicorn", "--bind", f"{settings.host}:{port}",
+    # gateway/gunicorn_conf.py: workers give the port back at once if this master is SIGKILLed, so
+    # `serve` can be started again right away
+    os.execvp(sys.executable, [sys.executable, "-m", "gunicorn", "--config", "python:gateway.gunicorn_conf",
+                               "--bind", f"{settings.host}:{port}",
                                "--workers", str(args.workers), "--threads", "4",
                                "gateway.app:create_app()"])
     return 0
