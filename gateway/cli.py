@@ -208,8 +208,7 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
     from gateway.ledger import Ledger
     from gateway.supervisor import Supervisor
 
-    ledger = Ledger(client, settings)
-    ledger.check_digest_agreement()
+    ledger = Ledger(client, settings)  # run() checks it (collation) once Redis answers: it may be down now
     supervisor = Supervisor(ledger, dispatcher=Dispatcher.build(settings, ledger))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: supervisor.stop.set())
