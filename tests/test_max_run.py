@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import UTC, datetime
 
 import pytest
 
-from gateway.errors import RunTooLong, StaleLease
+from gateway.errors import InvalidRequest, RunTooLong, StaleLease
 from gateway.flows import DEFAULT_MAX_RUN, parse_flow
-from gateway.errors import InvalidRequest
 from gateway.records import intact
 
 RETRY = {"initial_interval": 0.05, "maximum_interval": 0.05, "maximum_attempts": 3}
@@ -238,7 +238,6 @@ def test_api_refuses_a_max_run_shorter_than_the_lease(api):
 
 
 def _ms(iso: str) -> int:
-    from datetime import datetime
-
-    return round(datetime.strptime(iso, "%Y-%m-%dT%H:%M:%S.%fZ").replace(
-        tzinfo=__import__("datetime").timezone.utc).timestamp() * 1000)
+    """A lease_deadline (ISO 8601, UTC, milliseconds) as epoch milliseconds."""
+    return round(datetime.strptime(iso, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
+                 * 1000)

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 import requests
 
 from gateway.embedded import EmbeddedRedis, client_for, free_port
@@ -127,10 +128,12 @@ def test_serve_starts_again_at_once_after_its_master_is_sigkilled(redis_server, 
         second = Proc(tmp_path, "serve-2", ["serve", "--port", str(port), "--workers", "2"], env)
         wait_healthy(second, port, 30)
         took = time.monotonic() - killed
-        # the orphans held the port until their in-flight request ended (about 4.5 s from the kill), and
-        # gunicorn gives up binding after 5 tries a second apart: the fix is what makes this quick
-        assert took < 4.0, f"serve took {took:.1f} s to answer again:\n{second.output()}"
-        assert "Connection in use" not in second.output()
+        # Before gateway/gunicorn_conf.py the orphans held the port until their request in flight ended
+        # (about 4.5 s after the kill; up to graceful_timeout, 30 s, in general): the new master's bind
+        # failed ("Connection in use"), and gunicorn gives up after 5 tries a second apart. Now its
+        # first bind succeeds; the time to answer is then the workers' boot (loose bound: a busy machine).
+        assert "Connection in use" not in second.output(), second.output()
+        assert took < 15.0, f"serve took {took:.1f} s to answer again:\n{second.output()}"
         # the orphaned worker finished the request it was serving: an answer, not a reset
         caller.join(15)
         assert answers == [204]
@@ -202,7 +205,8 @@ def test_api_answers_503_while_redis_is_down_and_recovers_without_a_restart(tmp_
             ("post", "/v1/flows", {**FLOW, "id": "other"}),
             ("post", "/v1/jobs", {"flow_id": "restart"}),
             ("post", f"/v1/jobs/{job_id}/lease", {}),
-            ("post", f"/v1/jobs/{job_id}/batches/{env['seq']}/heartbeat", {"lease_token": env["lease_token"]}),
+            ("post", f"/v1/jobs/{job_id}/batches/{env['seq']}/heartbeat",
+             {"lease_token": env["lease_token"]}),
             ("post", f"/v1/jobs/{job_id}/batches/{env['seq']}/complete",
              {"lease_token": env["lease_token"], "output": {"n": 2}}),
             ("post", f"/v1/jobs/{job_id}/pause", {}),
@@ -223,7 +227,8 @@ def test_api_answers_503_while_redis_is_down_and_recovers_without_a_restart(tmp_
             assert time.monotonic() < deadline, "the API did not reconnect"
             time.sleep(0.1)
         for _ in range(4):  # fresh connections reach both workers
-            assert requests.get(f"{base}/v1/jobs/{job_id}", headers=AUTH, timeout=5).json()["status"] == "running"
+            view = requests.get(f"{base}/v1/jobs/{job_id}", headers=AUTH, timeout=5).json()
+            assert view["status"] == "running"
         done = s.post(f"{base}/v1/jobs/{job_id}/batches/{env['seq']}/complete",
                       json={"lease_token": env["lease_token"], "output": {"n": 2}}, timeout=10)
         assert done.status_code == 200, done.text  # the ledger's scripts are loaded again by themselves
@@ -244,21 +249,15 @@ def _events(client, ledger, job_id, name):
 def _wait_for(what: str, check, proc: Proc, timeout_s: float = 15.0):
     deadline = time.monotonic() + timeout_s
     while True:
-        assert proc.proc.poll() is None, f"the supervisor exited with {proc.proc.returncode}:\n{proc.output()}"
+        assert proc.proc.poll() is None, f"exited with {proc.proc.returncode}:\n{proc.output()}"
         try:
             found = check()
-        except redis_errors():
+        except (redis.ConnectionError, redis.TimeoutError):
             found = None
         if found:
             return found
         assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s\n{proc.output()}"
         time.sleep(0.1)
-
-
-def redis_errors():
-    import redis
-
-    return (redis.ConnectionError, redis.TimeoutError)
 
 
 def test_supervisor_started_while_redis_is_down_waits_then_recovers_and_survives_restarts(tmp_path):
