@@ -48,11 +48,12 @@ def heartbeat_until_refused(ledger, job_id, lease, every=0.05, limit=5.0):
 
 
 def test_pull_worker_heartbeating_forever_fails_at_max_run_when_not_idempotent(ledger, jobs, make_job):
-    job_id = make_job(items=list(range(3)), max_items=3, stage_defs=[stage(idempotent=False)])
+    # every 0.05 s a heartbeat: those from 0.3 s on get the cap (0.6 s) rather than now + the lease
+    job_id = make_job(items=list(range(3)), max_items=3, stage_defs=[stage(idempotent=False, lease=0.3)])
     lease = ledger.lease(job_id)
     leased_ms = int(ledger.batch_record(job_id, lease.seq)["leased_ms"])
     exc, deadlines, elapsed = heartbeat_until_refused(ledger, job_id, lease)
-    assert 0.55 <= elapsed < 1.5
+    assert 0.55 <= elapsed < 3.0
     # no heartbeat ever moved the deadline past lease time + max_run
     cap = leased_ms + 600
     batch = ledger.batch_record(job_id, lease.seq)
@@ -121,17 +122,17 @@ def test_max_run_in_non_retryable_error_types_fails_even_an_idempotent_stage(led
 def test_a_lease_capped_at_max_run_that_runs_out_expires_as_max_run(ledger, make_job, idempotent, outcome):
     """The worker heartbeats into the cap, then goes silent: the supervisor's expiry names max_run."""
     job_id = make_job(items=list(range(3)), max_items=3,
-                      stage_defs=[stage(idempotent=idempotent, lease=0.3, max_run=0.4)])
+                      stage_defs=[stage(idempotent=idempotent, lease=1.0, max_run=1.5)])
     lease = ledger.lease(job_id)
-    time.sleep(0.2)
-    res = ledger.heartbeat(job_id, lease.seq, lease.lease_token)  # wants +0.3 s, gets the cap
+    time.sleep(0.8)
+    res = ledger.heartbeat(job_id, lease.seq, lease.lease_token)  # wants +1 s, gets the cap
     batch = ledger.batch_record(job_id, lease.seq)
-    assert _ms(res["lease_deadline"]) == int(batch["capped_ms"]) == int(batch["leased_ms"]) + 400
+    assert _ms(res["lease_deadline"]) == int(batch["capped_ms"]) == int(batch["leased_ms"]) + 1500
     assert ledger.expire_due(job_id) == []
-    time.sleep(0.25)
+    time.sleep(max(0.0, (int(batch["capped_ms"]) + 50) / 1000 - time.time()))
     assert ledger.expire_due(job_id) == [(lease.seq, outcome)]
     batch = ledger.batch_record(job_id, lease.seq)
-    assert (batch["error"], batch["error_type"]) == ("ran past max_run (0.4 s)", "max_run")
+    assert (batch["error"], batch["error_type"]) == ("ran past max_run (1.5 s)", "max_run")
     [entry] = events(ledger, job_id, "retry_scheduled" if outcome == "retry" else "batch_failed")
     assert entry["error_type"] == "max_run" and entry["actor"] == "supervisor"
 
@@ -169,20 +170,20 @@ def test_push_stage_max_run_clock_starts_at_the_call(ledger, make_job):
     the call on, the lease never runs past called_ms + max_run."""
     target = {"type": "http", "url": "https://platform.example/run", "mode": "sync"}
     job_id = make_job(items=list(range(3)), max_items=3,
-                      stage_defs=[stage(lease=0.2, max_run=0.4, target=target)])
+                      stage_defs=[stage(lease=0.5, max_run=1.0, target=target)])
     lease = ledger.lease_stages(job_id, [0])
     k = ledger.keys.job(job_id)
-    time.sleep(0.45)  # queued for longer than max_run: that time does not count
+    time.sleep(1.05)  # queued (or waiting for a slot) for longer than max_run: that time does not count
     res = ledger.heartbeat(job_id, lease.seq, lease.lease_token)
     assert "capped_ms" not in ledger.batch_record(job_id, lease.seq)
     begun = ledger.scripts.begin(keys=[k.job, k.batch(lease.seq), k.leases, k.ready(0), k.log],
-                                 args=[lease.lease_token, 200, 1000, ""])
+                                 args=[lease.lease_token, 500, 1000, ""])
     assert begun[0] == "ok"
     called = int(ledger.batch_record(job_id, lease.seq)["called_ms"])
-    time.sleep(0.25)
-    res = ledger.heartbeat(job_id, lease.seq, lease.lease_token)
-    assert _ms(res["lease_deadline"]) == called + 400
-    time.sleep(0.2)
+    time.sleep(0.7)
+    res = ledger.heartbeat(job_id, lease.seq, lease.lease_token)  # wants +0.5 s, gets the cap
+    assert _ms(res["lease_deadline"]) == called + 1000
+    time.sleep(0.4)
     with pytest.raises(RunTooLong) as caught:
         ledger.heartbeat(job_id, lease.seq, lease.lease_token)
     assert caught.value.extra["outcome"] == "failed"
