@@ -28,6 +28,11 @@ from typing import Any
 
 PR_SET_PDEATHSIG = 1
 
+# gunicorn >= 25.1 opens a control socket by default at one path per user ($XDG_RUNTIME_DIR or
+# ~/.gunicorn/gunicorn.ctl): every server of the user (``up`` and ``serve`` side by side) would take it
+# over from the one before, and the first to stop would remove the other's. batchgate does not use it.
+control_socket_disable = True
+
 
 def post_fork(server: Any, worker: Any) -> None:
     """In the new worker: SIGTERM when the master dies (Linux)."""
@@ -48,9 +53,9 @@ def post_worker_init(worker: Any) -> None:
     graceful = signal.getsignal(signal.SIGTERM)
     accept = getattr(worker, "accept", None)
     if callable(accept):  # the gthread worker: a listener shut down below makes accept() fail (EINVAL)
-        def quiet_accept(listener: Any) -> Any:
+        def quiet_accept(*args: Any, **kwargs: Any) -> Any:  # (listener), or (server, listener) before 24
             try:
-                return accept(listener)
+                return accept(*args, **kwargs)
             except OSError:
                 if worker.alive:
                     raise
