@@ -8,6 +8,7 @@ import math
 import traceback
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import redis
@@ -15,7 +16,14 @@ from flask import Flask, Response, current_app, g, jsonify, request
 from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
-from gateway.errors import BatchgateError, BodyTooLarge, RetryableError, Unauthorized, UnsupportedMediaType
+from gateway.errors import (
+    BatchgateError,
+    BodyTooLarge,
+    LedgerUnavailable,
+    RetryableError,
+    Unauthorized,
+    UnsupportedMediaType,
+)
 from gateway.flows import FlowRegistry
 from gateway.idempotency import IdempotencyStore
 from gateway.jobs import JobService
@@ -27,6 +35,7 @@ log = logging.getLogger(__name__)
 PROBLEM = "application/problem+json"
 SIGNED_URL_PATHS = ("/v1/callbacks/", "/v1/blobs/")  # authenticated by their signed token
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+LEDGER_RETRY_AFTER = timedelta(seconds=2)  # a Redis restart from its AOF takes about that
 
 
 @dataclass
@@ -52,7 +61,15 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     if client is None:
         client, settings = connect(settings)
     ledger = Ledger(client, settings)
-    ledger.check_digest_agreement()
+    try:
+        ledger.check_digest_agreement()
+        deferred_check = False
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        # Start anyway (answering 503 until the ledger is there) rather than fail the worker's boot,
+        # which would stop gunicorn: the check runs before each request until it has passed once.
+        log.warning("ledger redis unavailable at start (%s); the API answers 503 until it is back",
+                    type(exc).__name__)
+        deferred_check = True
     registry = FlowRegistry(client, ledger.keys)
     app = Flask("batchgate")
     app.json = StrictJSONProvider(app)
@@ -64,6 +81,8 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         dispatcher=Dispatcher.build(settings, ledger) if settings.redis_url else None)
     for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp):
         app.register_blueprint(bp)
+    if deferred_check:
+        app.before_request(ledger.check_digest_agreement)  # a no-op once it has passed
     app.before_request(_authenticate)
     app.before_request(_json_bodies_only)
     app.after_request(_no_content_no_type)
@@ -180,12 +199,17 @@ def _register_errors(app: Flask) -> None:
                 resp.headers[name] = value
         return resp
 
-    @app.errorhandler(redis.ConnectionError)
+    @app.errorhandler(redis.ConnectionError)  # down, restarting, or loading its AOF (BusyLoadingError)
+    @app.errorhandler(redis.TimeoutError)
     def _redis_down(exc: Exception):
-        log.error("ledger redis unavailable: %s", type(exc).__name__)
-        resp = problem(503, "Ledger unavailable", "the ledger's Redis cannot be reached; retry later")
-        resp.headers["Retry-After"] = "2"
-        return resp
+        """503 problem with Retry-After; redis-py reconnects on a later request by itself (and the
+        ledger's scripts reload themselves: EVALSHA falls back to SCRIPT LOAD after a restart)."""
+        log.warning("ledger redis unavailable on %s %s: %s", request.method, redact_path(request.path),
+                    type(exc).__name__)
+        return _batchgate(LedgerUnavailable(
+            "the ledger's Redis cannot be reached right now (down, restarting or loading its data); "
+            "retry later",
+            retry_after=LEDGER_RETRY_AFTER))
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):

@@ -171,7 +171,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = Settings()
     connect(settings)[0].close()  # NoLedgerRedis now, not once per gunicorn worker
     port = args.port or settings.port
-    os.execvp(sys.executable, [sys.executable, "-m", "gunicorn", "--bind", f"{settings.host}:{port}",
+    # gateway/gunicorn_conf.py: workers give the port back at once if this master is SIGKILLed, so
+    # `serve` can be started again right away
+    os.execvp(sys.executable, [sys.executable, "-m", "gunicorn", "--config", "python:gateway.gunicorn_conf",
+                               "--bind", f"{settings.host}:{port}",
                                "--workers", str(args.workers), "--threads", "4",
                                "gateway.app:create_app()"])
     return 0
@@ -203,8 +206,7 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
     from gateway.ledger import Ledger
     from gateway.supervisor import Supervisor
 
-    ledger = Ledger(client, settings)
-    ledger.check_digest_agreement()
+    ledger = Ledger(client, settings)  # run() checks it (collation) once Redis answers: it may be down now
     supervisor = Supervisor(ledger, dispatcher=Dispatcher.build(settings, ledger))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: supervisor.stop.set())

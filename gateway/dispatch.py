@@ -47,7 +47,7 @@ from connectors.base import (
     StageCall,
 )
 from gateway.embedded import client_for
-from gateway.errors import BatchgateError, JobCancelled, NotFound, StaleLease
+from gateway.errors import BatchgateError, JobCancelled, NotFound, RunTooLong, StaleLease
 from gateway.flows import Stage
 from gateway.jobspec import JobSpec
 from gateway.ledger import ABSENT, Lease, Ledger, idempotency_key
@@ -246,6 +246,9 @@ class Dispatcher:
             return
         try:
             self.ledger.heartbeat(job_id, seq, token)
+        except RunTooLong as exc:  # heartbeat.lua failed the attempt past max_run; its retry class decided
+            log.warning("run past max_run job_id=%s seq=%s: %s", job_id, seq, exc.detail)
+            return
         except (StaleLease, NotFound, JobCancelled):
             return
         call = self._call(spec, stage, seq, stage_idx, attempt, token)
@@ -358,8 +361,8 @@ class Dispatcher:
         """The platform shows life during a long call (a Dify stream event): heartbeat the lease."""
         try:
             self.ledger.heartbeat(job_id, seq, token)
-        except (StaleLease, NotFound, JobCancelled):
-            pass
+        except (StaleLease, NotFound, JobCancelled, RunTooLong):
+            pass  # the call's answer will meet a stale lease and change nothing
 
     def _envelope(self, spec: JobSpec, stage: Stage, batch: dict[str, str], seq: int, stage_idx: int,
                   attempt: int, token: str, items: Any) -> dict[str, Any]:

@@ -161,3 +161,19 @@ class SourceUnavailable(RetryableError):
 
     title = "Source unavailable"
     type_slug = "source-unavailable"
+
+
+class RunTooLong(Conflict):
+    """The attempt ran past its stage's ``max_run``: the ledger has already failed it (the retry class
+    decided: retried only for an idempotent stage), so its lease token is void and nothing more is to
+    be reported for it. ``outcome`` is 'retry' or 'failed'."""
+
+    title = "Run exceeded max_run"
+    type_slug = "run-too-long"
+
+
+class LedgerUnavailable(RetryableError):
+    """The ledger's Redis cannot be reached (down, restarting, loading its data): retry later."""
+
+    title = "Ledger unavailable"
+    type_slug = "ledger-unavailable"

@@ -9,7 +9,15 @@ from datetime import timedelta
 from typing import Any
 
 import redis
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 import chunker
 import connectors
@@ -20,6 +28,11 @@ from gateway.validation import parse
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 ZERO, ONE_DAY = timedelta(0), timedelta(days=1)  # durations are positive and bounded
+#: A stage attempt's maximum total run time when the flow names none: generous (a day), but finite, so a
+#: platform run stuck in ``running`` or a worker heartbeating forever ends and its retry class decides.
+DEFAULT_MAX_RUN = timedelta(hours=24)
+MAX_RUN_ERROR = "max_run"  # the error type of an attempt that ran past its stage's max_run
+MAX_MAX_RUN = timedelta(days=30)
 
 
 class FlowRetired(FlowConflict):
@@ -79,6 +92,20 @@ class Stage(BaseModel):
     timeout: timedelta = Field(default=timedelta(seconds=30), gt=ZERO, le=ONE_DAY,
                                description="per outbound call")
     poll_interval: timedelta = Field(default=timedelta(seconds=2), gt=ZERO, le=ONE_DAY)
+    max_run: timedelta = Field(
+        default=DEFAULT_MAX_RUN, gt=ZERO, le=MAX_MAX_RUN,
+        description="maximum total run time of one attempt (schedule-to-close), counted from the "
+                    "lease (pull) or the platform call (push) across heartbeats and polls; past it the "
+                    "attempt fails with error type max_run, retried only if the stage is idempotent")
+
+    @model_serializer(mode="wrap")
+    def _omit_default_max_run(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """``max_run`` at its default is left out of the stored definition, so flows that do not set it
+        keep the content hash they had before the field existed (re-registering them is no conflict)."""
+        data = handler(self)
+        if isinstance(data, dict) and self.max_run == DEFAULT_MAX_RUN:
+            data.pop("max_run", None)
+        return data
 
     @field_validator("target")
     @classmethod
@@ -93,6 +120,23 @@ class Stage(BaseModel):
         if not timedelta(milliseconds=50) <= value <= timedelta(days=1):
             raise ValueError("lease must be between 0.05 s and 1 day")
         return value
+
+    @model_validator(mode="after")
+    def _max_run_covers_lease(self) -> Stage:
+        if self.max_run < self.lease:
+            raise ValueError(f"max_run ({self.max_run.total_seconds():g} s) must be at least the stage's "
+                             f"lease ({self.lease.total_seconds():g} s)")
+        return self
+
+    @property
+    def max_run_ms(self) -> int:
+        return int(self.max_run.total_seconds() * 1000)
+
+    @property
+    def max_run_retryable(self) -> bool:
+        """A run that went past max_run may have had effects (it may still be running): it is retried
+        only if the stage is idempotent and ``max_run`` is not one of its non-retryable error types."""
+        return self.idempotent and MAX_RUN_ERROR not in self.retry.non_retryable_error_types
 
 
 class Batching(BaseModel):

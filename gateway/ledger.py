@@ -23,6 +23,7 @@ from gateway.errors import (
     InvalidRequest,
     JobCancelled,
     NotFound,
+    RunTooLong,
     SourceUnavailable,
     StaleLease,
 )
@@ -342,16 +343,24 @@ class Ledger(ControlOps):
                       lease_token=token, lease_deadline_ms=int(deadline))
 
     def heartbeat(self, job_id: str, seq: int, token: str, progress: Any = ABSENT,
-                  extend_ms: int | None = None) -> dict[str, Any]:
-        """Extend a live lease (by the stage's lease length unless ``extend_ms``); 409 if stale."""
+                  extend_ms: int | None = None, actor: str = "worker") -> dict[str, Any]:
+        """Extend a live lease (by the stage's lease length unless ``extend_ms``), never past the
+        attempt's start + the stage's ``max_run``; 409 if stale.
+
+        An attempt at or past its ``max_run`` is failed by this very call (heartbeat.lua; retried only
+        for an idempotent stage) and RunTooLong (409) is raised: the token is void from then on.
+        """
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
         batch = self._batch_fields(job_id, seq)
         stage = spec.flow.stages[int(batch["stage"])]
         extend = extend_ms or int(stage.lease.total_seconds() * 1000)
         res = self.scripts.heartbeat(
-            keys=[k.job, k.batch(seq), k.leases],
-            args=[token, extend, "" if progress is ABSENT else dumps(progress)])
+            keys=[k.job, k.batch(seq), k.leases, k.failed, k.log, *self._ready_keys(spec)],
+            args=[token, extend, "" if progress is ABSENT else dumps(progress), stage.max_run_ms,
+                  "1" if stage.target is not None else "0", "1" if stage.max_run_retryable else "0",
+                  *self._policy_args(stage.retry), self.settings.log_maxlen, spec.budget_total,
+                  spec.flow.tolerated_failure_percentage, actor])
         self._raise_for(res, job_id, seq)
         return {"job_id": job_id, "seq": seq, "lease_deadline": _iso(int(res[1])), "job_status": res[2]}
 
@@ -431,7 +440,8 @@ class Ledger(ControlOps):
                       *self._ready_keys(spec)],
                 args=[seq, *self._policy_args(policy), self.settings.log_maxlen,
                       spec.budget_total, spec.flow.tolerated_failure_percentage, actor,
-                      "1" if stage.target is not None else "0"])
+                      "1" if stage.target is not None else "0", stage.max_run_ms,
+                      "1" if stage.max_run_retryable else "0"])
             if res[0] == "held":
                 break
             if res[0] in ("retry", "failed"):
@@ -463,6 +473,14 @@ class Ledger(ControlOps):
 
     @staticmethod
     def _raise_for(res: list, job_id: str, seq: int) -> None:
+        if res[0] == "max_run":
+            outcome, attempt, max_run_s = res[1], int(res[2]), int(res[3]) / 1000
+            then = ("it will be retried (the stage is idempotent)" if outcome == "retry"
+                    else "it failed for good (the stage is not idempotent, or out of attempts)")
+            raise RunTooLong(f"batch {seq} of job {job_id}, attempt {attempt}, ran past its stage's "
+                             f"max_run ({max_run_s:g} s); the attempt was failed and {then}; its lease "
+                             f"token is no longer valid", outcome=outcome, attempt=attempt,
+                             max_run_s=max_run_s, error_type="max_run")
         if res[0] == "cancelled":
             raise JobCancelled(f"job {job_id} is cancelled; the answer for batch {seq} was not "
                                f"committed (it is in the job's log)", job_status="cancelled")

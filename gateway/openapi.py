@@ -158,13 +158,14 @@ PROBLEM_TEXT = {
          "a number out of range, a duplicate key or a lone surrogate",
     401: "no valid bearer token (signed URLs: forged token)",
     404: "no such resource for this tenant",
-    409: "the resource's state does not allow it (stale lease, cancelled job, conflict)",
+    409: "the resource's state does not allow it (stale lease, cancelled job, conflict; on a heartbeat: "
+         "run-too-long, the attempt ran past its stage's max_run and was failed)",
     410: "the signed URL has expired",
     413: "the body exceeds BATCHGATE_MAX_BODY_BYTES",
     415: "a body that is not application/json",
     422: "the request failed validation (errors names each field)",
     500: "unexpected error; error_id identifies the log line",
-    503: "the ledger or a source is unavailable; see Retry-After",
+    503: "the ledger (its Redis down, restarting or loading) or a source is unavailable; see Retry-After",
 }
 AUTH = (401,)
 BODY = (400, 413, 415, 422)

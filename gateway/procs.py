@@ -126,7 +126,8 @@ def _spawn(args: list[str], env: dict[str, str], tied: bool) -> subprocess.Popen
 def start_api(env: dict[str, str], host: str, port: int, workers: int = 2,
               tied: bool = False) -> subprocess.Popen:
     """gunicorn serving the app factory, as the Dockerfile does (``tied``: see die_with_parent)."""
-    args = [sys.executable, "-m", "gunicorn", "--bind", f"{host}:{port}", "--workers", str(workers),
+    args = [sys.executable, "-m", "gunicorn", "--config", "python:gateway.gunicorn_conf",
+            "--bind", f"{host}:{port}", "--workers", str(workers),
             "--threads", "4", "--log-level", "warning", "--graceful-timeout", "5",
             "gateway.app:create_app()"]
     return _spawn(args, env, tied)

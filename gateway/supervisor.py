@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 import redis
@@ -21,6 +22,9 @@ log = logging.getLogger(__name__)
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 RECOVERY_CLAIM_MS = 60_000
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # ConnectionError covers BusyLoadingError
+RETRY_MAX_S = 2.0  # longest wait between two tries at start while Redis is down
+REDIS_DOWN_LOG_S = 30.0  # while Redis stays down, one warning this often
 
 
 class Supervisor:
@@ -32,6 +36,8 @@ class Supervisor:
         self.settings = ledger.settings
         self.name = name or f"supervisor@{socket.gethostname()}:{os.getpid()}"
         self.stop = threading.Event()
+        self._down_since: float | None = None  # monotonic time Redis was first found unavailable
+        self._down_logged = 0.0
 
     def recover(self) -> list[dict[str, Any]]:
         """At start: find jobs left running and recover them, or only report them (record mode)."""
@@ -111,12 +117,46 @@ class Supervisor:
         log.info("job retired from supervision job_id=%s status=%s", job_id, status)
 
     def run(self) -> None:
-        """Recover, then tick every ``supervisor_interval`` until stopped."""
-        self.recover()
+        """Check the ledger and recover, then tick every ``supervisor_interval`` until stopped.
+
+        A Redis that is down (or restarting, or loading its AOF) is waited for, at start as well as
+        between ticks: the process never exits for it, and redis-py reconnects by itself. No tick runs
+        before recovery has passed once (record mode must hold jobs before anything expires them).
+        """
+        pause = 0.1
+        while not self.stop.is_set():
+            try:
+                self.ledger.check_digest_agreement()
+                self.recover()
+                self._redis_back()
+                break
+            except REDIS_DOWN as exc:
+                self._redis_down(exc, "recovery at start")
+                self.stop.wait(pause)
+                pause = min(pause * 2, RETRY_MAX_S)
         interval = self.settings.supervisor_interval.total_seconds()
         while not self.stop.is_set():
             try:
                 self.tick()
-            except redis.ConnectionError as exc:
-                log.warning("supervisor: redis unavailable (%s); retrying", type(exc).__name__)
+                self._redis_back()
+            except REDIS_DOWN as exc:
+                self._redis_down(exc, "tick")
             self.stop.wait(interval)
+
+    def _redis_down(self, exc: Exception, doing: str) -> None:
+        """Log that Redis is unavailable: at once, then at most every REDIS_DOWN_LOG_S while it lasts."""
+        now = time.monotonic()
+        if self._down_since is None:
+            self._down_since = self._down_logged = now
+            log.warning("supervisor: ledger redis unavailable (%s) during %s; waiting for it",
+                        type(exc).__name__, doing)
+        elif now - self._down_logged >= REDIS_DOWN_LOG_S:
+            self._down_logged = now
+            log.warning("supervisor: ledger redis still unavailable after %.0f s (%s); waiting for it",
+                        now - self._down_since, type(exc).__name__)
+
+    def _redis_back(self) -> None:
+        if self._down_since is not None:
+            log.warning("supervisor: ledger redis reachable again after %.1f s",
+                        time.monotonic() - self._down_since)
+            self._down_since = None

@@ -3,7 +3,9 @@ checks a small pure-Python reference model (``Model``), and the ledger's invaria
 every step.
 
 Actions (one weighted rule, ``ACTIONS``): lease (any stage, or one stage by name), complete (current,
-duplicate, stale, late), fail (retryable or not; current or stale), heartbeat (current or stale), begin (a
+duplicate, stale, late), fail (retryable or not; current or stale), heartbeat (current or stale; into the
+attempt's max_run, which caps the lease, and past it, which fails the attempt: odd stages are idempotent
+and retry it, even ones fail for good; time moved by rewriting the batch's sealed leased_ms), begin (a
 push-mode worker about to call its platform), a lease running out (expire_due), pause, resume, resume by
 cursor forward and backward (replan), cancel, retry-failed, supervisor recovery in auto mode (with a fresh
 or a still-held claim) and record mode (the job is held) and release, supervisor ticks (expiry, retire),
@@ -57,6 +59,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,17 +76,18 @@ from hypothesis.stateful import (
 )
 
 from gateway.embedded import EmbeddedRedis, client_for
-from gateway.errors import Conflict, JobCancelled, StaleLease
+from gateway.errors import Conflict, JobCancelled, RunTooLong, StaleLease
 from gateway.flows import FlowRegistry, parse_flow
 from gateway.jobs import JobRequest, JobService
 from gateway.ledger import Ledger
-from gateway.records import dumps, intact, loads_or_none
+from gateway.records import dumps, intact, loads_or_none, seal
 from gateway.settings import Settings
 from gateway.supervisor import Supervisor
 
 TENANT = "acme"
 LIVE = ("running", "paused", "held")
 AOF_REWRITE_BYTES = 4 << 20
+LEASE_MS, MAX_RUN_MS = 3_600_000, 7_200_000  # each stage's lease and max_run (the machine moves time)
 STATS: Counter = Counter()  # what the examples reached; printed with BATCHGATE_MODEL_STATS=1 (pytest -s)
 
 
@@ -107,6 +111,9 @@ class MBatch:
     rec_token: str = ""  # lease_token as recorded: a commit keeps it (duplicates), other moves clear it
     unspent: int = 0  # leases released by begin.lua before any platform call: attempts not spent
     commits: dict[int, tuple[int, str]] = field(default_factory=dict)  # stage -> (attempt, token)
+    capped: bool = False  # a heartbeat held this attempt's lease at its start + max_run (capped_ms)
+    past_max_run: bool = False  # this attempt's clock was moved past its max_run
+
 
     @property
     def end_json(self) -> str:
@@ -132,6 +139,7 @@ class Model:
         self.overdue: set[int] = set()  # leased seqs whose deadline we moved into the past
         self.active = True  # in the supervisor's active set
         self.claim = False  # a recovery claim (60 s) is held
+        self.idempotent = [i % 2 == 1 for i in range(stages)]  # odd stages: a run past max_run is retried
 
     # -- derived state ----------------------------------------------------------------------------
     def plan(self) -> list[MBatch]:
@@ -210,6 +218,7 @@ class Model:
 
     def lease(self, b: MBatch, token: str) -> None:
         b.status, b.attempt, b.token, b.rec_token = "leased", b.attempt + 1, token, token
+        b.capped = b.past_max_run = False  # a new attempt, a new max_run clock
         self.tokens[token] = b.seq
         self.token_stage[token] = b.stage
         self.overdue.discard(b.seq)
@@ -245,7 +254,12 @@ class Model:
         due = sorted((s for s in self.overdue if self.batches[s].status == "leased"), key=str)
         if not due or self.status == "held":
             return []
-        return [(s, self.fail_attempt(self.batches[s], True)) for s in due]
+        # a lease a heartbeat capped at max_run ran past it: retried only for an idempotent stage
+        return [(s, self.fail_attempt(self.batches[s], self.max_run_retryable(self.batches[s])
+                                      if self.batches[s].capped else True)) for s in due]
+
+    def max_run_retryable(self, b: MBatch) -> bool:
+        return self.idempotent[b.stage]
 
     def reopen(self, only_failed: bool) -> int:
         """reopen.lua (resume / retry_failed), for a job that is neither cancelled nor refused."""
@@ -302,6 +316,7 @@ JOB = st.fixed_dictionaries({
 ACTIONS = (
     ["lease"] * 3 + ["lease_stage"] + ["complete"] * 6 + ["work_through"] * 2
     + ["fail"] * 3 + ["late_complete"] * 2 + ["late_fail"] + ["heartbeat"] * 2 + ["lease_runs_out"] * 2
+    + ["heartbeat_into_max_run", "heartbeat_past_max_run"]
     + ["begin"]
     + ["pause", "resume", "resume", "retry_failed", "retry_failed", "replan", "replan", "cancel",
        "release", "release", "recover_auto", "recover_record", "supervisor_tick", "redis_crash_and_restart"]
@@ -351,7 +366,8 @@ class LedgerMachine(RuleBasedStateMachine):
         """A job over ``sequence`` n, and a fresh model (and expectations) for it."""
         stage_defs = [{"name": f"s{i}", "retry": {"initial_interval": interval_ms / 1000,
                                                   "maximum_interval": 0.01,
-                                                  "maximum_attempts": attempts[i]}}
+                                                  "maximum_attempts": attempts[i]},
+                       "lease": LEASE_MS / 1000, "max_run": MAX_RUN_MS / 1000, "idempotent": i % 2 == 1}
                       for i in range(stages)]
         flow_id = f"model{self.jobs_made}"
         self.jobs_made += 1
@@ -476,15 +492,73 @@ class LedgerMachine(RuleBasedStateMachine):
         token = data.draw(st.sampled_from(list(m.tokens)), label="token")
         b = m.batches[m.tokens[token]]
         if b.status == "leased" and b.token == token:
-            res = self.ledger.heartbeat(self.job_id, b.seq, token, {"at": self.steps})
-            assert res["job_status"] == m.status
-            m.overdue.discard(b.seq)  # the deadline moved into the future again
+            self.do_heartbeat(b, token)
         elif m.status == "cancelled":
             with pytest.raises(JobCancelled):
                 self.ledger.heartbeat(self.job_id, b.seq, token, None)
         else:
             with pytest.raises(StaleLease):
                 self.ledger.heartbeat(self.job_id, b.seq, token, None)
+
+    def do_heartbeat(self, b: MBatch, token: str):
+        """The current holder heartbeats: the lease is extended (up to the attempt's start + max_run),
+        or, past max_run, the attempt fails here (retried only for an idempotent stage); a held job's
+        lease only stays at its cap (nothing fails by itself there)."""
+        m = self.model
+        if b.past_max_run and m.status != "held":
+            attempt = b.attempt
+            with pytest.raises(RunTooLong) as caught:
+                self.ledger.heartbeat(self.job_id, b.seq, token, {"at": self.steps})
+            outcome = m.fail_attempt(b, m.max_run_retryable(b))
+            assert (caught.value.extra["outcome"], caught.value.extra["attempt"]) == (outcome, attempt)
+            STATS[f"heartbeat: past max_run, {outcome}"] += 1
+            return
+        res = self.ledger.heartbeat(self.job_id, b.seq, token, {"at": self.steps})
+        assert res["job_status"] == m.status
+        if b.past_max_run:  # held: the deadline is the cap, in the past
+            b.capped = True
+            m.overdue.add(b.seq)
+            STATS["heartbeat: past max_run, held"] += 1
+        else:
+            m.overdue.discard(b.seq)  # the deadline moved into the future again
+        if b.capped:
+            STATS["heartbeat: capped"] += 1
+
+    def move_run_start(self, b: MBatch, back_ms: int):
+        """Time for one attempt's max_run clock: its lease time (leased_ms, in the checksummed batch
+        record, sealed again) moved to ``back_ms`` before now."""
+        fields = self.r.hgetall(self.k.batch(b.seq))
+        fields["leased_ms"] = str(int(time.time() * 1000) - back_ms)
+        self.r.hset(self.k.batch(b.seq), mapping=seal(fields))
+
+    def heartbeat_into_max_run(self, data):
+        """The holder's attempt has run until half a lease before its max_run: its heartbeat gets the
+        cap (start + max_run), not a full lease."""
+        m = self.model
+        if not self.current_tokens():
+            return
+        token = data.draw(st.sampled_from(self.current_tokens()), label="token")
+        b = m.batches[m.tokens[token]]
+        if not b.past_max_run:
+            self.move_run_start(b, MAX_RUN_MS - LEASE_MS // 2)
+            b.capped = True
+        self.do_heartbeat(b, token)
+        fields = self.r.hgetall(self.k.batch(b.seq))
+        assert int(fields["capped_ms"]) == int(fields["leased_ms"]) + MAX_RUN_MS
+        if b.status == "leased" and data.draw(st.booleans(), label="then silent"):
+            self.run_out(b.seq)  # the capped lease runs out: expired as a run past max_run
+
+    def heartbeat_past_max_run(self, data):
+        """The holder heartbeats after its attempt ran past max_run: the attempt fails (see
+        do_heartbeat)."""
+        m = self.model
+        if not self.current_tokens():
+            return
+        token = data.draw(st.sampled_from(self.current_tokens()), label="token")
+        b = m.batches[m.tokens[token]]
+        self.move_run_start(b, MAX_RUN_MS + 1000)
+        b.past_max_run = True
+        self.do_heartbeat(b, token)
 
     def fail(self, data):
         """The holder of a current lease reports a failure (a lease is taken first if none is held)."""
@@ -549,12 +623,16 @@ class LedgerMachine(RuleBasedStateMachine):
         m = self.model
         if not m.leased():
             return
-        seq = data.draw(st.sampled_from([b.seq for b in m.leased()]), label="seq")
+        self.run_out(data.draw(st.sampled_from([b.seq for b in m.leased()]), label="seq"))
+
+    def run_out(self, seq: int):
+        m = self.model
         self.r.zadd(self.k.leases, {str(seq): 0}, xx=True)
         m.overdue.add(seq)
+        capped = {s for s in m.overdue if m.batches[s].capped}
         expired = m.expire_due()
         assert self.ledger.expire_due(self.job_id) == expired
-        STATS.update(f"expire: {outcome}" for _, outcome in expired)
+        STATS.update(f"expire: {outcome}{' (max_run)' if s in capped else ''}" for s, outcome in expired)
 
     # operator
     def pause(self, data):

@@ -114,3 +114,24 @@ def test_coze_studio_timeout_with_a_run_is_learned_by_polling_not_rerun(push, ma
     assert batch["status"] == "failed" and batch["attempt"] == 1, batch
     events = [e["event"] for e in api.get(f"/v1/jobs/{job_id}/log").json()["entries"]]
     assert "outcome_unknown_polling" in events  # it asked the run history before deciding
+
+
+@pytest.mark.parametrize("idempotent, status, attempts", [(False, "failed", 1), (True, "failed", 2)])
+def test_a_poll_that_reports_running_forever_ends_at_max_run(push, make_job, api, idempotent, status,
+                                                              attempts):
+    """Dify's stuck run: the stream broke after workflow_started and the run stays `running` for ever.
+    The polls stop at max_run; its retry class decides (idempotent: retried, here up to 2 attempts)."""
+    ledger, d = push
+    with StandinDify(api_key=DIFY_KEY, run_s=0.5, break_after_s=0.05) as server:
+        job_id = make_job(items=[1], max_items=1, stage_defs=stage(
+            dify(server, "streaming"), idempotent, lease=1, max_run=1.5,
+            retry={"initial_interval": 0.01, "maximum_attempts": 2}))
+        started = time.monotonic()
+        job = run_job(ledger, d, job_id, timeout_s=30)
+        took = time.monotonic() - started
+        stuck = server.stuck_runs()
+    assert job["status"] == status
+    batch = api.get(f"/v1/jobs/{job_id}/batches/0").json()
+    assert batch["error_type"] == "max_run" and batch["attempts_spent"] == attempts, batch
+    assert len(stuck) == attempts  # each attempt's run stuck in Dify; none held the batch for ever
+    assert took < 10 * attempts

@@ -73,7 +73,9 @@ def heartbeat(job_id: str, seq: int):
     req = parse(HeartbeatRequest, json_body(), "heartbeat")
     extend_ms = int(req.extend_s * 1000) if req.extend_s else None
     progress = ABSENT if req.progress is None else req.progress
-    return jsonify(services.ledger.heartbeat(job_id, seq, req.lease_token, progress, extend_ms))
+    # past the stage's max_run the attempt is failed here and RunTooLong answers 409
+    return jsonify(services.ledger.heartbeat(job_id, seq, req.lease_token, progress, extend_ms,
+                                             actor=g.actor))
 
 
 @bp.post("/batches/<int:seq>/complete")

@@ -26,6 +26,6 @@ local outcome = fail_attempt(k, job, batch, batch['seq'], {now = now_ms(), messa
   retryable = ARGV[3] == '1', max_attempts = tonumber(ARGV[4]), initial_ms = tonumber(ARGV[5]),
   coef = tonumber(ARGV[6]), max_ms = tonumber(ARGV[7]), jitter = tonumber(ARGV[8]), maxlen = ARGV[9],
   budget_total = ARGV[10], tolerated_pct = tonumber(ARGV[11]), actor = ARGV[12],
-  min_delay_ms = tonumber(ARGV[13]), error_type = ARGV[14]})
+  min_delay_ms = tonumber(ARGV[13]), error_type = (ARGV[14] or '') ~= '' and ARGV[14] or nil})
 if outcome == 'corrupt' then return {'corrupt'} end
 return {outcome, batch['attempt'], job['status']}

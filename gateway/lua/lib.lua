@@ -166,13 +166,16 @@ end
 -- attempts remain and the error is retryable; otherwise the batch fails for good and
 -- the failure budget decides the job. Returns 'retry', 'failed' or 'corrupt' (nothing written but the
 -- corrupt mark). Attempts a lease was released from without a platform call ('unspent') do not count.
+-- p.error_type (optional) is recorded in the batch ('error_type') and the log entry.
 local function fail_attempt(k, job, batch, seq, p)
   local stage = batch['stage']
   local now = p.now
   local attempt = tonumber(batch['attempt'])
   local spent = attempt - tonumber(batch['unspent'] or '0')
-  local bchg = {lease_token = '', deadline_ms = '', error = p.message, error_type = p.error_type or ''}
+  local bchg = {lease_token = '', deadline_ms = '', error = p.message}
   bchg['st:' .. stage] = 'failed'
+  -- error_type (e.g. 'max_run') is kept with the error; a later failure without one clears it
+  if p.error_type or batch['error_type'] then bchg['error_type'] = p.error_type or '' end
   local jchg = {updated_ms = int(now)}
   local outcome, ready_at
   if p.retryable and spent < p.max_attempts then
@@ -199,8 +202,30 @@ local function fail_attempt(k, job, batch, seq, p)
   end
   save(k.batch, batch, bchg)
   save(k.job, job, jchg)
-  log(k.log, p.maxlen, {'event', outcome == 'retry' and 'retry_scheduled' or 'batch_failed',
+  local entry = {'event', outcome == 'retry' and 'retry_scheduled' or 'batch_failed',
     'seq', seq, 'stage', stage, 'attempt', int(attempt), 'error', p.message,
-    'retryable', p.retryable and '1' or '0', 'actor', p.actor, 'error_type', p.error_type or ''})
+    'retryable', p.retryable and '1' or '0', 'actor', p.actor}
+  if p.error_type then
+    entry[#entry + 1] = 'error_type'
+    entry[#entry + 1] = p.error_type
+  end
+  log(k.log, p.maxlen, entry)
   return outcome
+end
+
+-- When the running attempt's max_run clock started: the call (push stage, begin.lua's called_ms of
+-- this lease), else the lease; nil for a push stage whose call has not begun (queued or waiting for a
+-- slot: that time does not count).
+local function run_start(batch, push)
+  local leased = tonumber(batch['leased_ms'] or '') or 0
+  if push then
+    local called = tonumber(batch['called_ms'] or '') or -1
+    if called < leased then return nil end
+    return called
+  end
+  return leased
+end
+
+local function max_run_message(max_run_ms)
+  return 'ran past max_run (' .. string.format('%g', max_run_ms / 1000) .. ' s)'
 end

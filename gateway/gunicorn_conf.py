@@ -1,0 +1,78 @@
+"""gunicorn hooks for the batchgate API (``batchgate serve`` and ``batchgate up``: ``-c python:<this>``).
+
+A gunicorn worker notices that its master died only on its next loop turn (its parent pid changed), and
+then keeps the listening socket open while it finishes its connections, up to ``graceful_timeout`` (30 s
+by default). After a SIGKILL of the master, a new ``batchgate serve`` on the same port therefore failed
+with "Connection in use" for as long. Here:
+
+- ``post_fork``: on Linux every worker asks the kernel for SIGTERM when its master dies, even by
+  SIGKILL (``PR_SET_PDEATHSIG``), so it learns at once rather than on its next turn.
+- ``post_worker_init``: that SIGTERM, in a worker whose master is gone, first shuts its listening
+  sockets down (``shutdown(SHUT_RDWR)``: the port is free for a new bind at once; connections queued
+  but never accepted get a reset, connections already accepted are untouched), then stops as gunicorn
+  stops a worker: requests in flight finish within ``graceful_timeout``, nothing new is accepted.
+
+``SO_REUSEPORT`` was not used: it would let a new server bind beside the orphans, but the kernel would
+keep handing about half the new connections to their sockets, which no longer accept; and two servers
+started on one port by mistake would both run, silently sharing it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+
+# gunicorn >= 25.1 opens a control socket by default at one path per user ($XDG_RUNTIME_DIR or
+# ~/.gunicorn/gunicorn.ctl): every server of the user (``up`` and ``serve`` side by side) would take it
+# over from the one before, and the first to stop would remove the other's. batchgate does not use it.
+control_socket_disable = True
+
+
+def post_fork(server: Any, worker: Any) -> None:
+    """In the new worker: SIGTERM when the master dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != server.pid:  # the master died before prctl: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def post_worker_init(worker: Any) -> None:
+    """SIGTERM in an orphaned worker gives the port back at once, then stops gracefully."""
+    master = worker.ppid
+    graceful = signal.getsignal(signal.SIGTERM)
+    accept = getattr(worker, "accept", None)
+    if callable(accept):  # the gthread worker: a listener shut down below makes accept() fail (EINVAL)
+        def quiet_accept(*args: Any, **kwargs: Any) -> Any:  # (listener), or (server, listener) before 24
+            try:
+                return accept(*args, **kwargs)
+            except OSError:
+                if worker.alive:
+                    raise
+                return None
+
+        worker.accept = quiet_accept
+
+    def on_term(sig: int, frame: Any) -> None:
+        # (a signal handler runs in the main thread between two steps of the accept loop, and the
+        # graceful handler below clears worker.alive before the loop can see the shut listener)
+        if os.getppid() != master:
+            for listener in worker.sockets:
+                try:
+                    getattr(listener, "sock", listener).shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        if callable(graceful):
+            graceful(sig, frame)
+
+    signal.signal(signal.SIGTERM, on_term)
