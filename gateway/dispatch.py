@@ -222,12 +222,41 @@ class Dispatcher:
             if not self._begin(spec, stage, seq, stage_idx, token):
                 return
             call = self._call_for(spec, stage, lease)
-            outcome = self._guarded(call, stage, lambda: self._connector(stage).trigger(call, self.session))
+            earlier = self._earlier_run(spec, seq, stage_idx) if lease.attempt > 1 else None
+            if earlier is not None:
+                # an earlier attempt started a platform run whose outcome was never recorded (its
+                # lease ran out): ask the platform about that run before triggering the flow again
+                self.ledger.note(spec.job_id, "asking_about_earlier_run", seq=seq, stage=stage.name,
+                                 attempt=lease.attempt)
+                outcome = self._guarded(call, stage,
+                                        lambda: self._connector(stage).poll(call, earlier, self.session))
+                if isinstance(outcome, PlatformError) and not outcome.outage and (
+                        outcome.retry is Retry.RETRYABLE):
+                    self._schedule_poll(spec, stage, seq, stage_idx, lease.attempt, token, earlier)
+                    return
+                if isinstance(outcome, Running):
+                    outcome = Running(earlier, outcome.platform_ids)
+            else:
+                outcome = self._guarded(call, stage,
+                                        lambda: self._connector(stage).trigger(call, self.session))
         finally:
             self._durably(stage, lambda: self.ledger.r.zrem(
                 self.ledger.keys.target_slots(target_id(stage.target)), holder))
         self._durably(stage, lambda: self._act(spec, stage, call, seq, stage_idx, token, outcome,
                                                probe=granted == "probe"))
+
+    def _earlier_run(self, spec: JobSpec, seq: int, stage_idx: int) -> dict[str, Any] | None:
+        """The poll handle an earlier attempt of this stage stored (handle.lua), if any."""
+        handle, handle_stage = self.ledger.r.hmget(self.ledger.keys.job(spec.job_id).batch(seq),
+                                                   "handle", "handle_stage")
+        if not handle or handle_stage != str(stage_idx):
+            return None
+        found = loads_or_none(handle)
+        return found if isinstance(found, dict) else None
+
+    def _remember_run(self, spec: JobSpec, seq: int, token: str, handle: dict[str, Any]) -> None:
+        k = self.ledger.keys.job(spec.job_id)
+        self.ledger.scripts.handle(keys=[k.batch(seq), k.job], args=[token, dumps(handle)])
 
     def run(self, job_id: str, seq: int, stage_idx: int, attempt: int, token: str, wait: int = 0) -> None:
         """A stage attempt enqueued by an older version (RQ ``run_stage``): give its lease back unspent;
@@ -261,7 +290,8 @@ class Dispatcher:
                              error=outcome.message[:500])
             self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, handle)
             return
-        self._durably(stage, lambda: self._act(spec, stage, call, seq, stage_idx, token, outcome))
+        self._durably(stage, lambda: self._act(spec, stage, call, seq, stage_idx, token, outcome,
+                                               remember=False))
 
     def _schedule_poll(self, spec: JobSpec, stage: Stage, seq: int, stage_idx: int, attempt: int,
                        token: str, handle: dict[str, Any]) -> None:
@@ -387,7 +417,7 @@ class Dispatcher:
         return env
 
     def _act(self, spec: JobSpec, stage: Stage, call: StageCall, seq: int, stage_idx: int, token: str,
-             outcome: Outcome | PlatformError, probe: bool = False) -> None:
+             outcome: Outcome | PlatformError, probe: bool = False, remember: bool = True) -> None:
         job_id, attempt = spec.job_id, call.envelope["attempt"]
         where = {"seq": seq, "stage": stage.name, "attempt": attempt}
         tid = target_id(stage.target)
@@ -404,6 +434,7 @@ class Dispatcher:
                 # it rather than run it again (or fail it as outcome_unknown)
                 self.ledger.note(job_id, "outcome_unknown_polling", **where, error=outcome.message[:500],
                                  **outcome.platform_ids)
+                self._remember_run(spec, seq, token, outcome.handle)
                 self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, outcome.handle)
                 return
             if isinstance(outcome, PlatformError):
@@ -425,6 +456,8 @@ class Dispatcher:
                 self.ledger.note(job_id, "awaiting_callback", **where, **outcome.platform_ids)
             elif isinstance(outcome, Running):
                 self.ledger.note(job_id, "platform_running", **where, **outcome.platform_ids)
+                if remember:
+                    self._remember_run(spec, seq, token, outcome.handle)
                 self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, outcome.handle)
         except (StaleLease, NotFound, JobCancelled):
             log.info("answer dropped: lease no longer current job_id=%s seq=%s attempt=%s",

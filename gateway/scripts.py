@@ -10,7 +10,7 @@ from redis.commands.core import Script
 
 OPERATIONS = (
     "plan", "lease", "heartbeat", "complete", "fail", "expire", "reopen", "replan", "set_status", "selfcheck",
-    "slot", "cancel", "begin", "source_fail", "outage", "unwait",
+    "slot", "cancel", "begin", "source_fail", "outage", "unwait", "handle",
 )
 
 
@@ -40,6 +40,7 @@ class Scripts:
     source_fail: Script
     outage: Script
     unwait: Script
+    handle: Script
 
     @classmethod
     def register(cls, client: redis.Redis) -> Scripts:

@@ -135,3 +135,22 @@ def test_a_poll_that_reports_running_forever_ends_at_max_run(push, make_job, api
     assert batch["error_type"] == "max_run" and batch["attempts_spent"] == attempts, batch
     assert len(stuck) == attempts  # each attempt's run stuck in Dify; none held the batch for ever
     assert took < 10 * attempts
+
+
+def test_a_lost_poll_asks_the_platform_about_the_run_before_triggering_again(push, make_job, api):
+    """A worker dies while a run is being polled (the scheduled poll is lost): when the lease runs out,
+    the next attempt polls the run the platform gave instead of starting (and paying for) another."""
+    ledger, d = push
+    with StandinDify(api_key=DIFY_KEY, run_s=0.3, break_after_s=0.05, sticks_on_hangup=False) as server:
+        job_id = make_job(items=[1], max_items=1, stage_defs=stage(dify(server, "streaming"), False, lease=1))
+        assert d.run_ready(job_id) == 1  # the stream broke after workflow_started: a poll is scheduled
+        d.queue.scheduled_job_registry.remove_jobs()  # ... and lost with its worker
+        time.sleep(1.1)
+        assert [seq for seq, _ in ledger.expire_due(job_id)] == [0]
+        job = run_job(ledger, d, job_id)
+        server.settle()
+        billed = sum(server.billed.values())
+    assert job["status"] == "succeeded", job
+    assert billed == 1
+    events = [e["event"] for e in api.get(f"/v1/jobs/{job_id}/log").json()["entries"]]
+    assert "asking_about_earlier_run" in events

@@ -44,6 +44,7 @@ local k = {job = KEYS[1], batch = KEYS[2], leases = KEYS[3], failed = KEYS[4], l
 local outcome = fail_attempt(k, job, batch, seq, {now = now, message = message,
   retryable = retryable, error_type = error_type, max_attempts = tonumber(ARGV[2]), initial_ms = tonumber(ARGV[3]),
   coef = tonumber(ARGV[4]), max_ms = tonumber(ARGV[5]), jitter = tonumber(ARGV[6]), maxlen = ARGV[7],
-  budget_total = ARGV[8], tolerated_pct = tonumber(ARGV[9]), actor = ARGV[10]})
+  budget_total = ARGV[8], tolerated_pct = tonumber(ARGV[9]), actor = ARGV[10],
+  keep_handle = error_type == nil})
 if outcome == 'corrupt' then return {'corrupt'} end
 return {outcome, batch['attempt']}

@@ -176,6 +176,12 @@ local function fail_attempt(k, job, batch, seq, p)
   bchg['st:' .. stage] = 'failed'
   -- error_type (e.g. 'max_run') is kept with the error; a later failure without one clears it
   if p.error_type or batch['error_type'] then bchg['error_type'] = p.error_type or '' end
+  -- a platform run an earlier call started (handle.lua): kept only when its outcome is still unknown
+  -- (p.keep_handle: a plain lease expiry), so the next attempt asks about it before triggering again
+  if not p.keep_handle and (batch['handle'] or '') ~= '' then
+    bchg['handle'] = ''
+    bchg['handle_stage'] = ''
+  end
   local jchg = {updated_ms = int(now)}
   local outcome, ready_at
   if p.retryable and spent < p.max_attempts then
