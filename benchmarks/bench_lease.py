@@ -1,0 +1,136 @@
+"""The lease path: round trips per lease, leases per second, and a durable step against LangGraph's.
+
+Run: .venv/bin/python benchmarks/bench_lease.py [STEPS]   (default 5,000)
+Needs the optional extra: .venv/bin/pip install -e '.[bench]'  (langgraph, langgraph-checkpoint-sqlite)
+
+Prints, on one client against a private redis-server (AOF on, appendfsync everysec):
+  - Redis round trips per lease (commands on the wire, counted in redis-py as bench_complete.py does),
+    for a lease that finds a planned batch ready (target 1) and one that must plan first (target <= 2);
+  - leases per second: with planning ahead (the default), and planning one batch per lease;
+  - the durable step rate: lease + complete through the Python ledger, one batch per step;
+  - LangGraph's checkpointed step rate in the same run: a StateGraph with one trivial node compiled with
+    a SqliteSaver on a file DB, one ``invoke`` per step on one thread_id, with durability "sync"
+    (LangGraph: "changes are persisted synchronously before the next step starts") and the default
+    "async"; and the ratio durable step / SqliteSaver step (target >= 3x against the faster).
+Rounds interleave the sides (ours, then LangGraph's), so both see the same machine; only loops are timed.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import ledger_on_private_redis, start_job
+from bench_complete import RoundTrips
+
+ROUNDS = 5
+
+try:
+    from langgraph.checkpoint.sqlite import SqliteSaver
+    from langgraph.graph import END, START, StateGraph
+    from typing_extensions import TypedDict
+except ImportError:  # pragma: no cover - the message is the point
+    sys.exit("bench_lease.py needs LangGraph for its baseline: .venv/bin/pip install -e '.[bench]' "
+             "(or: .venv/bin/pip install langgraph langgraph-checkpoint-sqlite)")
+
+
+class State(TypedDict):
+    n: int
+
+
+def _step(state: State) -> State:
+    return {"n": state["n"] + 1}
+
+
+def langgraph_app(db: Path):
+    conn = sqlite3.connect(db, check_same_thread=False)
+    saver = SqliteSaver(conn)
+    saver.setup()
+    graph = StateGraph(State)
+    graph.add_node("step", _step)
+    graph.add_edge(START, "step")
+    graph.add_edge("step", END)
+    return graph.compile(checkpointer=saver), conn
+
+
+def langgraph_steps(app, thread: str, steps: int, durability: str) -> float:
+    """Seconds for ``steps`` invokes of the one-node graph on one thread (each invoke checkpoints)."""
+    config = {"configurable": {"thread_id": thread}}
+    t0 = time.perf_counter()
+    for i in range(steps):
+        app.invoke({"n": i}, config, durability=durability)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 5_000
+    per_round = steps // ROUNDS
+    output = {"score": 87, "label": "shortlist"}
+    tmp = Path(tempfile.mkdtemp(prefix="bg-bench-lease-"))
+    app, conn = langgraph_app(tmp / "checkpoints.sqlite")
+    with ledger_on_private_redis() as (ledger, service):
+        r = ledger.r
+        ledger.lease(start_job(service, "warm", count=10))  # scripts loaded, code paths warm
+
+        # -- round trips and leases/s: planning ahead (default) vs one batch per plan --------------------
+        results = {}
+        for label, ahead in (("ahead", ledger.plan_ahead), ("lazy", 1)):
+            ledger.plan_ahead = ahead
+            job_id = start_job(service, f"lease-{label}", count=steps * 10 + 10, max_items=10)
+            ledger.spec(job_id)  # cached, as in any long-running worker
+            k = ledger.keys.job(job_id)
+            trips_ready = trips_plan = n_ready = n_plan = 0
+            elapsed = 0.0
+            with RoundTrips() as trips:
+                for _ in range(steps):
+                    with trips.paused():
+                        before = int(r.hget(k.job, "next_seq"))
+                    counted = trips.count
+                    t0 = time.perf_counter()
+                    lease = ledger.lease(job_id)
+                    elapsed += time.perf_counter() - t0
+                    used = trips.count - counted
+                    with trips.paused():
+                        ledger.complete(job_id, lease.seq, lease.lease_token, output)  # not timed
+                        if int(r.hget(k.job, "next_seq")) > before:
+                            n_plan, trips_plan = n_plan + 1, trips_plan + used
+                        else:
+                            n_ready, trips_ready = n_ready + 1, trips_ready + used
+            results[label] = (steps / elapsed, n_ready, trips_ready, n_plan, trips_plan)
+        ledger.plan_ahead = type(ledger)(r, ledger.settings).plan_ahead
+
+        # -- durable step vs LangGraph, interleaved rounds ----------------------------------------------------
+        job_id = start_job(service, "step", count=steps * 10 + 10, max_items=10)
+        ledger.spec(job_id)
+        langgraph_steps(app, "warm", 50, "sync")  # imports, table set-up, first compile paths
+        t_ours = t_sync = t_async = 0.0
+        for rnd in range(ROUNDS):
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                lease = ledger.lease(job_id)
+                ledger.complete(job_id, lease.seq, lease.lease_token, output)
+            t_ours += time.perf_counter() - t0
+            t_sync += langgraph_steps(app, f"sync-{rnd}", per_round, "sync")
+            t_async += langgraph_steps(app, f"async-{rnd}", per_round, "async")
+    conn.close()
+
+    done = per_round * ROUNDS
+    ours, sync, asyn = done / t_ours, done / t_sync, done / t_async
+    for label, (rate, n_ready, trips_ready, n_plan, trips_plan) in results.items():
+        name = f"plan_ahead={ledger.plan_ahead}" if label == "ahead" else "plan_ahead=1"
+        print(f"leases ({name}): {rate:,.0f}/s; round trips per lease: "
+              f"ready {trips_ready / max(n_ready, 1):.2f} ({n_ready} leases), "
+              f"planning {trips_plan / max(n_plan, 1):.2f} ({n_plan} leases), "
+              f"all {(trips_ready + trips_plan) / steps:.2f}")
+    print(f"durable step (lease + complete, one client): {done} in {t_ours:.3f}s = {ours:,.0f}/s")
+    print(f"LangGraph SqliteSaver step, durability=sync:  {done} in {t_sync:.3f}s = {sync:,.0f}/s")
+    print(f"LangGraph SqliteSaver step, durability=async: {done} in {t_async:.3f}s = {asyn:,.0f}/s")
+    print(f"ratio durable step / SqliteSaver step: {ours / sync:.2f}x (sync), {ours / asyn:.2f}x (async); "
+          f"target >= 3x")
+
+
+if __name__ == "__main__":
+    main()
