@@ -217,7 +217,7 @@ class Ledger(ControlOps):
         pause = 0.001
         while True:
             token = secrets.token_urlsafe(16)
-            holder = secrets.token_hex(8) if plans else ""
+            holder = token if plans else ""  # the plan lock's holder: this lease's random token
             res = self.scripts.lease(keys=keys, args=[token, *fixed, holder, PLAN_LOCK_MS, prefetch, *pairs])
             tag = res[0]
             if tag == "ok":
