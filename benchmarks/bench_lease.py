@@ -32,7 +32,7 @@ from pathlib import Path
 from _common import ledger_on_private_redis, start_job
 from bench_complete import RoundTrips
 
-ROUNDS = 5
+ROUNDS = 20
 
 try:
     from langgraph.checkpoint.sqlite import SqliteSaver
@@ -87,7 +87,8 @@ def main() -> None:
 
         # -- round trips and leases/s: planning ahead (default) vs one batch per plan --------------------
         results = {}
-        for label, ahead in (("ahead", ledger.plan_ahead), ("lazy", 1)):
+        default_ahead = ledger.plan_ahead
+        for label, ahead in (("ahead", default_ahead), ("lazy", 1)):
             ledger.plan_ahead = ahead
             job_id = start_job(service, f"lease-{label}", count=steps * 10 + 10, max_items=10)
             ledger.spec(job_id)  # cached, as in any long-running worker
@@ -110,9 +111,9 @@ def main() -> None:
                         else:
                             n_ready, trips_ready = n_ready + 1, trips_ready + used
             results[label] = (steps / elapsed, n_ready, trips_ready, n_plan, trips_plan)
-        ledger.plan_ahead = type(ledger)(r, ledger.settings).plan_ahead
+        ledger.plan_ahead = default_ahead
 
-        # -- durable step vs LangGraph, interleaved rounds ----------------------------------------------------
+        # -- durable step vs LangGraph, interleaved rounds ---------------------------------------------
         job_id = start_job(service, "step", count=steps * 10 + 10, max_items=10)
         ledger.spec(job_id)
         for (mode, _), (app, _) in apps.items():

@@ -212,7 +212,8 @@ class Ledger(ControlOps):
         keys, fixed, pairs = self._lease_call(spec, k, tuple(stages), lease_ms)
         plans = 0 in stages
         ahead = self._plan_ahead(spec) if plans else 0
-        prefetch = ahead * spec.flow.batching.max_items + 1 if plans and spec.source["type"] == "inline" else 0
+        inline = plans and spec.source["type"] == "inline"
+        prefetch = ahead * spec.flow.batching.max_items + 1 if inline else 0  # the items plans read
         patience = time.monotonic() + LEASE_PATIENCE_S
         pause = 0.001
         while True:
