@@ -27,7 +27,7 @@ from gateway.errors import (
     SourceUnavailable,
     StaleLease,
 )
-from gateway.jobspec import JobSpec, RedisListView, open_source
+from gateway.jobspec import FILE_TYPES, JobSpec, RedisListView, open_source
 from gateway.keys import JobKeys, Keys
 from gateway.records import digest, dumps, intact, loads_or_none, seal
 from gateway.scripts import Scripts
@@ -36,8 +36,8 @@ from gateway.settings import Settings
 log = logging.getLogger(__name__)
 
 ABSENT = object()
-LEASE_CANDIDATES = 8  # ready batches offered to one lease script: concurrent leasers take the next one
-LEASE_PATIENCE_S = 5.0  # how long a lease keeps retrying lost races before it answers "nothing ready"
+LEASE_PATIENCE_S = 5.0  # how long a lease waits for another caller's planning before "nothing ready"
+PLAN_AHEAD = 16  # batches one plan cuts where the source is cheap to read ahead (Ledger.plan_ahead)
 PLAN_LOCK_MS = 30_000  # one reader of the source per job at a time; the lock expires if it dies
 SPEC_CACHE = 1024  # job specs kept per process (least recently used dropped)
 
@@ -101,6 +101,9 @@ class Ledger(ControlOps):
         self.scripts = Scripts.register(client)
         self._specs: OrderedDict[str, JobSpec] = OrderedDict()
         self._specs_lock = threading.Lock()  # gunicorn threads share the cache
+        # lease.lua's KEYS and fixed ARGV per (job, stages, lease_ms), built from the cached spec
+        self._lease_calls: OrderedDict[tuple, tuple[JobSpec, list[str], list[Any], list[Any]]] = OrderedDict()
+        self.plan_ahead = PLAN_AHEAD
         self._checked = False
 
     def check_digest_agreement(self) -> None:
@@ -141,6 +144,8 @@ class Ledger(ControlOps):
         """Drop the job's cached spec (the supervisor, once the job is finished and retired)."""
         with self._specs_lock:
             self._specs.pop(job_id, None)
+            for key in [key for key in self._lease_calls if key[0] == job_id]:
+                del self._lease_calls[key]
 
     def job_fields(self, job_id: str) -> dict[str, str]:
         """The job hash, checked against its checksum; a corrupt one is marked."""
@@ -195,44 +200,70 @@ class Ledger(ControlOps):
         ``lease_ms`` overrides the stage's lease length (push mode: the dispatch queue timeout, until
         begin.lua restarts the clock with the stage's lease when the call starts).
 
-        A lost race (another caller took the candidates, or planned the batch first) is retried here,
-        for up to LEASE_PATIENCE_S, so it never surfaces as "nothing ready".
+        One round trip when a batch is ready (lease.lua checks the job, reads the ready sets and leases in
+        one script); two when batches must be planned first (lease.lua takes the plan lock and says where
+        to read, plan.lua records up to ``plan_ahead`` batches and leases the first). A caller that finds
+        another one planning waits for its batches, for up to LEASE_PATIENCE_S, so a lost race never
+        surfaces as "nothing ready".
         """
-        spec = self.spec(job_id)
-        k = self.keys.job(job_id)
         if not stages:
             return None
+        spec = self.spec(job_id)
+        k = self.keys.job(job_id)
+        keys, fixed, pairs = self._lease_call(spec, k, tuple(stages), lease_ms)
+        plans = 0 in stages
+        ahead = self._plan_ahead(spec) if plans else 0
+        inline = plans and spec.source["type"] == "inline"
+        prefetch = ahead * spec.flow.batching.max_items + 1 if inline else 0  # the items plans read
         patience = time.monotonic() + LEASE_PATIENCE_S
         pause = 0.001
         while True:
-            job = self._runnable(job_id)
-            if job is None:
+            token = secrets.token_urlsafe(16)
+            holder = token if plans else ""  # the plan lock's holder: this lease's random token
+            res = self.scripts.lease(keys=keys, args=[token, *fixed, holder, PLAN_LOCK_MS, prefetch, *pairs])
+            tag = res[0]
+            if tag == "ok":
+                _, seq, idx, attempt, deadline, start, end, items, prev = res
+                return self._lease_from(spec, int(idx), token, int(seq), attempt, deadline, start, end,
+                                        items, prev)
+            if tag in ("none", "busy", "status"):
                 return None
-            idx, seqs = self._candidates(k, stages)
-            if not seqs:
-                planned = self._plan(spec, k, job, stages)
-                if planned is None:
-                    return None
-                if planned == "busy":  # another caller is reading the source: its batch comes soon
-                    time.sleep(pause)
-                    pause = min(pause * 2, 0.05)
-            else:
-                token = secrets.token_urlsafe(16)
-                res = self.scripts.lease(
-                    keys=[k.job, k.ready(idx), k.leases, k.log, k.failed,
-                          *[key for s in seqs for key in (k.batch(s), k.items(s))]],
-                    args=[idx, lease_ms or int(spec.flow.stages[idx].lease.total_seconds() * 1000), token,
-                          spec.flow.concurrency, self.settings.log_maxlen, spec.budget_total,
-                          spec.flow.tolerated_failure_percentage, *seqs])
-                if res[0] == "ok":
-                    return self._lease_from(spec, idx, token, res)
-                if res[0] in ("busy", "status"):
-                    return None
-                if res[0] == "corrupt":
-                    raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
+            if tag == "corrupt":
+                raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
+            if tag == "source_wait":
+                wait_ms = max(int(res[1]) - int(time.time() * 1000), 1)
+                raise SourceUnavailable(f"source of job {job_id} unavailable: {res[2]}",
+                                        retry_after=timedelta(milliseconds=wait_ms))
+            if tag == "plan":
+                got = self._plan(spec, k, res, holder, token, ahead, lease_ms)
+                if got is not None:
+                    return got
+            else:  # 'planning': another caller is reading the source; its batches come soon
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
             if time.monotonic() > patience:
-                log.warning("lease gave up after lost races job_id=%s", job_id)
+                log.warning("lease gave up waiting for a planner job_id=%s", job_id)
                 return None
+
+    def _lease_call(self, spec: JobSpec, k: JobKeys, stages: tuple[int, ...],
+                    lease_ms: int | None) -> tuple[list[str], list[Any], list[Any]]:
+        """lease.lua's KEYS, its ARGV[2..5] and its (stage, lease ms) pairs for these stages, kept beside
+        the cached spec (both never change for a job)."""
+        cache_key = (spec.job_id, stages, lease_ms)
+        cached = self._lease_calls.get(cache_key)
+        if cached is None or cached[0] is not spec:
+            ordered = sorted(stages, reverse=True)  # the latest stage first: finish batches before new ones
+            keys = [k.job, k.leases, k.log, k.failed, k.plan_lock, k.src, *[k.ready(i) for i in ordered]]
+            fixed = [spec.flow.concurrency, self.settings.log_maxlen, spec.budget_total,
+                     spec.flow.tolerated_failure_percentage]
+            pairs = [len(ordered), *[v for i in ordered for v in (
+                i, lease_ms or int(spec.flow.stages[i].lease.total_seconds() * 1000))]]
+            cached = (spec, keys, fixed, pairs)
+            with self._specs_lock:
+                self._lease_calls[cache_key] = cached
+                while len(self._lease_calls) > SPEC_CACHE:
+                    self._lease_calls.popitem(last=False)
+        return cached[1], cached[2], cached[3]
 
     def _stage_filter(self, spec: JobSpec, stage: str | None) -> list[int]:
         pull = [i for i, s in enumerate(spec.flow.stages) if s.target is None]
@@ -245,78 +276,97 @@ class Ledger(ControlOps):
             raise Conflict(f"stage {stage!r} is run by batchgate (push mode); it cannot be leased")
         return [idx]
 
-    def _runnable(self, job_id: str) -> dict[str, str] | None:
-        job = self.job_fields(job_id)
-        if job.get("corrupt"):
-            raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
-        return job if job["status"] == "running" else None
+    def _plan_ahead(self, spec: JobSpec) -> int:
+        """How many batches one plan cuts: ``plan_ahead`` where reading ahead is cheap (inline items, a
+        sequence, a local file), one where every read is a request (URLs, paged APIs) or where the first
+        stage fetches the items itself."""
+        src = spec.source
+        if src["type"] in ("inline", "sequence") or (src["type"] in FILE_TYPES and not src.get("url")):
+            return max(1, self.plan_ahead)
+        return 1
 
-    def _candidates(self, k: JobKeys, stages: list[int]) -> tuple[int, list[int]]:
-        """The first ready seqs of the latest stage that has any: finish batches before starting new ones."""
-        now = int(time.time() * 1000)
-        pipe = self.r.pipeline(transaction=False)
-        ordered = sorted(stages, reverse=True)
-        for idx in ordered:
-            pipe.zrangebyscore(k.ready(idx), "-inf", now, start=0, num=LEASE_CANDIDATES)
-        for idx, found in zip(ordered, pipe.execute(), strict=True):
-            if found:
-                return idx, [int(s) for s in found]
-        return -1, []
-
-    def _plan(self, spec: JobSpec, k: JobKeys, job: dict[str, str], stages: list[int]) -> str | None:
-        """Cut the next batch at the frontier: 'planned', 'raced' (look again), 'busy' (another caller
-        is reading the source), or None when there is nothing to plan now."""
-        if job["exhausted"] == "1" or job["blocked"] or 0 not in stages:
-            return None
-        if self.r.zcard(k.leases) >= spec.flow.concurrency:
-            return None
-        retry_at = int(job.get("src_retry_ms") or 0)
-        now = int(time.time() * 1000)
-        if retry_at > now:
-            raise SourceUnavailable(f"source of job {spec.job_id} unavailable: {job.get('src_error')}",
-                                    retry_after=timedelta(milliseconds=retry_at - now))
-        holder = secrets.token_hex(8)
-        if not self.r.set(k.plan_lock, holder, nx=True, px=PLAN_LOCK_MS):
-            return "busy"
+    def _plan(self, spec: JobSpec, k: JobKeys, res: list, holder: str, token: str, ahead: int,
+              lease_ms: int | None) -> Lease | None:
+        """Cut batches at the frontier lease.lua answered with (this caller holds the plan lock) and lease
+        the first; None when another look is needed (raced, the source failed, the job changed)."""
+        next_seq, frontier = res[1], res[2]
+        planned = False
         try:
-            frontier = job["frontier"]
             if spec.external:
-                args = ["", "0", "", "0"]
+                batches = [("", "0", "", 0)]
             else:
-                batch = self._read_source(spec, k, loads_or_none(frontier))
-                if batch is None:
-                    return "raced"  # the job's status changed (failed by the source): look again
-                end = "" if batch.end_cursor is None else dumps(batch.end_cursor)
-                args = [end or dumps(None), "1" if batch.end_cursor is None else "0",
-                        dumps(batch.items), str(len(batch.items))]
-            seq = job["next_seq"]
-            res = self.scripts.plan(
-                keys=[k.job, k.batch(int(seq)), k.items(int(seq)), k.ready(0), k.log],
-                args=[seq, frontier, *args, self.settings.log_maxlen, spec.budget_total,
-                      spec.flow.tolerated_failure_percentage])
+                window = (int(res[3]), res[4:]) if len(res) > 3 else None
+                batches = self._read_ahead(spec, k, frontier, ahead, window)
+                if not batches:
+                    return None  # the job's status changed (failed by the source): look again
+            first = int(next_seq)
+            keys = [k.job, k.ready(0), k.log, k.leases, k.plan_lock,
+                    *[key for i in range(len(batches)) for key in (k.batch(first + i), k.items(first + i))]]
+            planned = True
+            out = self.scripts.plan(
+                keys=keys,
+                args=[next_seq, frontier, holder, self.settings.log_maxlen, spec.budget_total,
+                      spec.flow.tolerated_failure_percentage, token,
+                      lease_ms or int(spec.flow.stages[0].lease.total_seconds() * 1000),
+                      spec.flow.concurrency, len(batches), *[v for b in batches for v in b]])
         finally:
-            if self.r.get(k.plan_lock) == holder:
+            if not planned and self.r.get(k.plan_lock) == holder:
                 self.r.delete(k.plan_lock)
-        if res[0] == "ok":
-            log.info("batch planned job_id=%s seq=%s", spec.job_id, seq)
-            return "planned"
-        if res[0] == "corrupt":
+        if out[0] == "ok":
+            log.info("batches planned job_id=%s seq=%s count=%s", spec.job_id, out[1], out[2])
+            if len(out) > 3:
+                _, seq, _, attempt, deadline, start, end, items = out
+                return self._lease_from(spec, 0, token, int(seq), attempt, deadline, start, end, items, "")
+            return None
+        if out[0] == "corrupt":
             raise CorruptRecord(f"job {spec.job_id} failed its checksum; it will not run")
         # 'raced': someone planned first; 'exhausted'/'status': the next look sees the new state
-        return "raced"
+        return None
 
-    def _read_source(self, spec: JobSpec, k: JobKeys, cursor: Any) -> chunker.Batch | None:
-        """One batch at ``cursor``; a failure is counted against the first stage's retry policy."""
-        inline = RedisListView(self.r, k.src) if spec.source["type"] == "inline" else None
+    def _read_ahead(self, spec: JobSpec, k: JobKeys, frontier: str, ahead: int,
+                    window: tuple[int, list[str]] | None) -> list[tuple[str, str, str, int]]:
+        """Up to ``ahead`` consecutive batches from the frontier, as plan.lua's (end cursor, exhausted,
+        items, count) quadruples; [] when the first read failed and the job was failed for it.
+
+        A failure after the first batch only ends the read: the batches before it are planned, and the
+        failure is met (and counted) by the plan that starts there. Inline items come from ``window``
+        (the src list's length and its items from the frontier on, read by lease.lua) without another
+        round trip; reading ahead stops where the window ends.
+        """
+        cursor = loads_or_none(frontier)
+        max_items, max_bytes = spec.flow.batching.max_items, spec.flow.batching.max_bytes
+        inline: RedisListView | WindowedListView | None = None
+        if spec.source["type"] == "inline":
+            offset = cursor.get("offset") if isinstance(cursor, dict) else None
+            inline = (WindowedListView(self.r, k.src, window[0], offset, window[1])
+                      if window is not None and isinstance(offset, int) else RedisListView(self.r, k.src))
+        out: list[tuple[str, str, str, int]] = []
         try:
             source = open_source(spec.source, inline_items=inline, settings=self.settings, tenant=spec.tenant)
-            return source.read_batch(cursor, max_items=spec.flow.batching.max_items,
-                                     max_bytes=spec.flow.batching.max_bytes)
+            while len(out) < ahead:
+                if out and isinstance(inline, WindowedListView) and not inline.covers(cursor, max_items):
+                    break
+                try:
+                    batch = source.read_batch(cursor, max_items=max_items, max_bytes=max_bytes)
+                except (chunker.SourceReadError, chunker.SourceSpecError):
+                    if not out:
+                        raise
+                    break
+                if out and not batch.items:
+                    break
+                out.append((dumps(batch.end_cursor), "1" if batch.end_cursor is None else "0",
+                            dumps(batch.items), len(batch.items)))
+                if batch.end_cursor is None:
+                    break
+                cursor = batch.end_cursor
         except chunker.SourceReadError as exc:
             # a file removed or an API down may come back: retried under the policy, then the job fails
-            return self._source_failed(spec, k, str(exc), True, getattr(exc, "retry_after_s", None))
+            self._source_failed(spec, k, str(exc), True, getattr(exc, "retry_after_s", None))
+            return []
         except chunker.SourceSpecError as exc:
-            return self._source_failed(spec, k, f"bad cursor or source: {exc}", False, None)
+            self._source_failed(spec, k, f"bad cursor or source: {exc}", False, None)
+            return []
+        return out
 
     def _source_failed(self, spec: JobSpec, k: JobKeys, message: str, retryable: bool,
                        retry_after_s: float | None) -> None:
@@ -335,12 +385,12 @@ class Ledger(ControlOps):
         return None
 
     @staticmethod
-    def _lease_from(spec: JobSpec, idx: int, token: str, res: list) -> Lease:
-        _, seq, attempt, deadline, start, end, items, prev = res
-        return Lease(job_id=spec.job_id, seq=int(seq), stage=spec.flow.stages[idx].name, stage_index=idx,
-                      attempt=int(attempt), cursor=loads_or_none(start), end_cursor=loads_or_none(end),
-                      items=loads_or_none(items), input=loads_or_none(prev), params=spec.params,
-                      lease_token=token, lease_deadline_ms=int(deadline))
+    def _lease_from(spec: JobSpec, idx: int, token: str, seq: int, attempt: Any, deadline: Any, start: str,
+                    end: str, items: str, prev: str) -> Lease:
+        return Lease(job_id=spec.job_id, seq=seq, stage=spec.flow.stages[idx].name, stage_index=idx,
+                     attempt=int(attempt), cursor=loads_or_none(start), end_cursor=loads_or_none(end),
+                     items=loads_or_none(items), input=loads_or_none(prev), params=spec.params,
+                     lease_token=token, lease_deadline_ms=int(deadline))
 
     def heartbeat(self, job_id: str, seq: int, token: str, progress: Any = ABSENT,
                   extend_ms: int | None = None, actor: str = "worker") -> dict[str, Any]:
@@ -523,6 +573,36 @@ class Ledger(ControlOps):
             pipe.persist(key)
         pipe.execute()
         self.r.sadd(self.keys.active, job_id)
+
+
+class WindowedListView(RedisListView):
+    """An inline source's items as RedisListView serves them, with a window already read: the list's
+    length and the items from ``offset`` on, as lease.lua returned them. Slices inside the window cost
+    no round trip; others are read from Redis."""
+
+    def __init__(self, client: redis.Redis, key: str, length: int, offset: int, window: list[str]) -> None:
+        super().__init__(client, key)
+        self._len = length
+        self._offset = offset
+        self._window = window
+
+    def covers(self, cursor: Any, max_items: int) -> bool:
+        """Whether a batch read at ``cursor`` (max_items and the one item it peeks at) is in the window."""
+        start = cursor.get("offset") if isinstance(cursor, dict) else None
+        if not isinstance(start, int):
+            return False
+        stop = min(start + max_items + 1, len(self))
+        return self._offset <= start and stop <= self._offset + len(self._window)
+
+    def __getitem__(self, index: slice) -> list[Any]:
+        if not isinstance(index, slice):
+            raise TypeError("WindowedListView supports slices only")
+        start, stop, _ = index.indices(len(self))
+        if stop <= start:
+            return []
+        if self._offset <= start and stop <= self._offset + len(self._window):
+            return [loads_or_none(v) for v in self._window[start - self._offset:stop - self._offset]]
+        return super().__getitem__(index)
 
 
 @functools.lru_cache(maxsize=4096)

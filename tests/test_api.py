@@ -598,10 +598,9 @@ def test_fatal_failure_fails_job_and_retry_failed_runs_it_to_success(api):
     retried = api.post(f"/v1/jobs/{job_id}/retry-failed")
     assert retried.status_code == 200, retried.text
     assert (retried.json()["reopened"], retried.json()["status"]) == (1, "running")
-    again = lease(api, job_id)
-    assert (again["seq"], again["stage"], again["attempt"]) == (0, "score", 1)
-    assert complete(api, again).status_code == 200
-    drain(api, job_id)
+    seen = drain(api, job_id)  # batches planned ahead with batch 0 were ready before it was re-opened
+    again = [env for env in seen if env["seq"] == 0]
+    assert [(env["stage"], env["attempt"]) for env in again][:1] == [("score", 1)]
     view = job(api, job_id)
     assert (view["status"], view["items_done"], view["batches"]["failed"]) == ("succeeded", 4, 0)
 

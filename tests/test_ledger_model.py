@@ -11,7 +11,8 @@ cursor forward and backward (replan), cancel, retry-failed, supervisor recovery 
 or a still-held claim) and record mode (the job is held) and release, supervisor ticks (expiry, retire),
 a SIGKILLed and restarted Redis (AOF), and a next job once one is final. Jobs run over a ``sequence``
 source of 5..40 items, 1..5 per batch, 1..3 stages, concurrency 1..6, 1..4 attempts per stage and a
-failure budget of 0..100 %.
+failure budget of 0..100 %, on a ledger that plans 1, 2, 3 or 16 batches at a time (``plan_ahead``: every
+action above also meets batches planned ahead but not leased yet).
 
 The server is private to this module (it gets killed and restarted from its AOF; ``appendfsync always``
 so nothing acknowledged is lost). Time is moved by rewriting the scores of the two unchecksummed zsets
@@ -123,8 +124,9 @@ class MBatch:
 class Model:
     """What the ledger should hold for one job over ``sequence`` N, after each operation."""
 
-    def __init__(self, n, max_items, stages, concurrency, attempts, pct):
+    def __init__(self, n, max_items, stages, concurrency, attempts, pct, ahead=1):
         self.n, self.max_items, self.stages = n, max_items, stages
+        self.ahead = ahead  # batches one plan cuts (the ledger's plan_ahead)
         self.concurrency, self.attempts, self.pct = concurrency, attempts, pct
         self.budget_total = math.ceil(n / max_items)
         self.status = "running"
@@ -180,22 +182,27 @@ class Model:
 
     # -- transitions ------------------------------------------------------------------------------
     def cut(self) -> MBatch | None:
-        """plan.lua at the frontier: a new batch, or None when the source is over (job may finish)."""
-        f = self.frontier
-        if f >= self.n:
+        """plan.lua at the frontier: up to ``ahead`` new batches, the first of which the planner leases;
+        None when the source is over (the job may finish)."""
+        if self.frontier >= self.n:
             self.exhausted = True
             self.finish()
             return None
-        end = min(f + self.max_items, self.n)
-        final = f + self.max_items >= self.n
-        b = MBatch(self.next_seq, f, end, final)
-        self.batches[b.seq] = b
-        self.next_seq += 1
-        if final:
-            self.exhausted, self.frontier_json = True, "null"
-        else:
+        first = None
+        for _ in range(self.ahead):
+            f = self.frontier
+            end = min(f + self.max_items, self.n)
+            final = f + self.max_items >= self.n
+            b = MBatch(self.next_seq, f, end, final)
+            self.batches[b.seq] = b
+            self.next_seq += 1
+            first = first or b
+            STATS[f"plan: batch {min(self.next_seq - first.seq, 4)} of one plan"] += 1
+            if final:
+                self.exhausted, self.frontier_json = True, "null"
+                break
             self.frontier, self.frontier_json = end, cursor(end)
-        return b
+        return first
 
     def expect_lease(self, scores: dict[int, dict[int, float]], stage: int | None = None) -> MBatch | None:
         """Ledger.lease (of any stage, or of ``stage`` only): the batch it should hand out (None: nothing);
@@ -309,7 +316,8 @@ class Model:
 JOB = st.fixed_dictionaries({
     "n": st.integers(5, 40), "max_items": st.integers(1, 5), "stages": st.integers(1, 3),
     "concurrency": st.integers(1, 6), "attempts": st.lists(st.integers(1, 4), min_size=3, max_size=3),
-    "interval_ms": st.integers(1, 5), "pct": st.sampled_from([0, 0, 0, 10, 25, 50, 100])})
+    "interval_ms": st.integers(1, 5), "pct": st.sampled_from([0, 0, 0, 10, 25, 50, 100]),
+    "ahead": st.sampled_from([1, 2, 3, 16])})
 
 # Each step draws one action, weighted by repetition: workers lease and answer most of the time; operators,
 # supervisors and the crash now and then. (One rule, so the weights hold in every example.)
@@ -351,6 +359,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.r = client_for(self.server.url)
         self.ledger = Ledger(self.r, self.settings)
         self.record_ledger = Ledger(self.r, self.settings.model_copy(update={"recovery": "record"}))
+        if getattr(self, "model", None) is not None:  # a restarted Redis: the same ledger settings
+            self.ledger.plan_ahead = self.model.ahead
         self.registry = FlowRegistry(self.r, self.ledger.keys)
         self.jobs = JobService(self.ledger, self.registry)
 
@@ -362,7 +372,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def create_job(self, params):
         self.start_job(**params)
 
-    def start_job(self, n, max_items, stages, concurrency, attempts, interval_ms, pct):
+    def start_job(self, n, max_items, stages, concurrency, attempts, interval_ms, pct, ahead):
         """A job over ``sequence`` n, and a fresh model (and expectations) for it."""
         stage_defs = [{"name": f"s{i}", "retry": {"initial_interval": interval_ms / 1000,
                                                   "maximum_interval": 0.01,
@@ -378,7 +388,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.registry.register(TENANT, flow)
         self.job_id = self.jobs.create(TENANT, JobRequest(flow_id=flow_id))["job_id"]
         self.k = self.ledger.keys.job(self.job_id)
-        self.model = Model(n, max_items, stages, concurrency, attempts[:stages], pct)
+        self.model = Model(n, max_items, stages, concurrency, attempts[:stages], pct, ahead)
+        self.ledger.plan_ahead = ahead
         self.audit = ["job_created"]  # the control events the job's audit stream should hold, in order
         self.last_cursor_offset = 0
         self.snapshot = None
@@ -688,6 +699,8 @@ class LedgerMachine(RuleBasedStateMachine):
         first = m.next_seq
         direction = "back" if offset < self.last_cursor_offset else "forward"
         STATS[f"replan {direction} from a {m.status} job"] += 1
+        if any(b.status == "pending" and b.attempt == 0 and b.stage == 0 for b in m.plan()):
+            STATS[f"replan with batches planned ahead, not leased (ahead {m.ahead})"] += 1
         superseded = m.replan(offset)
         self.audit.append("cursor_moved")
         assert self.ledger.replan(self.job_id, target, "op", "model") == {
@@ -707,6 +720,8 @@ class LedgerMachine(RuleBasedStateMachine):
                 self.ledger.cancel(self.job_id, "op")
         else:
             STATS[f"cancel a {m.status} job"] += 1
+            if any(b.status == "pending" and b.attempt == 0 and b.stage == 0 for b in m.plan()):
+                STATS["cancel with batches planned ahead, not leased"] += 1
             voided = m.cancel()
             self.audit.append("job_cancelled")
             assert self.ledger.cancel(self.job_id, "op") == {

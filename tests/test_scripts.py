@@ -45,12 +45,13 @@ class Job:
         self.ready = [self.k.ready(i) for i in range(self.stages)]
 
     # -- KEYS, in each header's order --------------------------------------------------------
-    def plan_keys(self, seq):
-        return [self.k.job, self.k.batch(seq), self.k.items(seq), self.k.ready(0), self.k.log]
+    def plan_keys(self, seq, count=1):
+        return [self.k.job, self.k.ready(0), self.k.log, self.k.leases, self.k.plan_lock,
+                *[key for s in range(seq, seq + count) for key in (self.k.batch(s), self.k.items(s))]]
 
-    def lease_keys(self, seq, stage=0):
-        return [self.k.job, self.k.ready(stage), self.k.leases, self.k.log, self.k.failed,
-                self.k.batch(seq), self.k.items(seq)]
+    def lease_keys(self, *stages):
+        return [self.k.job, self.k.leases, self.k.log, self.k.failed, self.k.plan_lock, self.k.src,
+                *[self.k.ready(s) for s in stages]]
 
     def heartbeat_keys(self, seq):
         return [self.k.job, self.k.batch(seq), self.k.leases]
@@ -100,17 +101,35 @@ class Job:
 
 @pytest.fixture
 def job(ledger, make_job):
-    """``job(**make_job_kwargs)`` -> a Job view over a freshly made job."""
+    """``job(**make_job_kwargs)`` -> a Job view over a freshly made job.
+
+    The ledger plans one batch at a time here (``plan_ahead = 1``), so a ``ledger.lease`` that plans
+    leaves the frontier where the raw ``plan`` calls of a test expect it; planning ahead has its own
+    tests below."""
+    ledger.plan_ahead = 1
     return lambda **kw: Job(ledger, make_job(**kw))
 
 
 # -- thin wrappers: ARGV in each header's order ------------------------------------------------------
 
 def plan(j, seq, frontier, end, exhausted="0", items=None, n_items=None):
+    """plan.lua cutting one batch and leasing none; an 'ok' reply without its batch count (always 1)."""
     items_json = "" if items is None else dumps(items)
     count = len(items or ()) if n_items is None else n_items
-    return j.ledger.scripts.plan(keys=j.plan_keys(seq), args=[
-        seq, frontier, end, exhausted, items_json, count, MAXLEN, j.budget, j.pct])
+    res = j.ledger.scripts.plan(keys=j.plan_keys(seq), args=[
+        seq, frontier, "", MAXLEN, j.budget, j.pct, "", 60_000, 4, 1, end, exhausted, items_json, count])
+    if res[0] == "ok":
+        assert res == ["ok", str(seq), "1"]
+        return res[:2]
+    return res
+
+
+def plan_many(j, seq, frontier, batches, token="", holder="", lease_ms=60_000, concurrency=4):
+    """plan.lua cutting len(batches) batches; ``batches`` = (end cursor, exhausted, items) each."""
+    args = [v for end, exhausted, items in batches
+            for v in (end, exhausted, "" if items is None else dumps(items), len(items or ()))]
+    return j.ledger.scripts.plan(keys=j.plan_keys(seq, len(batches)), args=[
+        seq, frontier, holder, MAXLEN, j.budget, j.pct, token, lease_ms, concurrency, len(batches), *args])
 
 
 def plan_next(j, n=3, exhausted="0"):
@@ -126,13 +145,20 @@ def json_offset(text):
     return json.loads(text)["offset"]
 
 
+def lease_raw(j, token, stages=(0,), lease_ms=60_000, concurrency=4, holder="", prefetch=0):
+    """lease.lua offered ``stages`` (latest first, as the ledger orders them); plans only with a holder."""
+    pairs = [v for s in stages for v in (s, lease_ms)]
+    return j.ledger.scripts.lease(keys=j.lease_keys(*stages), args=[
+        token, concurrency, MAXLEN, j.budget, j.pct, holder, 30_000, prefetch, len(stages), *pairs])
+
+
 def lease(j, seq, token, stage=0, lease_ms=60_000, concurrency=4):
-    """lease.lua offered one candidate; an 'ok' reply without the seq it names (always ``seq`` here)."""
-    res = j.ledger.scripts.lease(keys=j.lease_keys(seq, stage), args=[
-        stage, lease_ms, token, concurrency, MAXLEN, j.budget, j.pct, seq])
+    """lease.lua offered one stage, never planning; an 'ok' reply is checked to name ``seq`` and ``stage``
+    and returned without them."""
+    res = lease_raw(j, token, (stage,), lease_ms, concurrency)
     if res[0] == "ok":
-        assert res[1] == str(seq)
-        return [res[0], *res[2:]]
+        assert res[1:3] == [str(seq), str(stage)]
+        return [res[0], *res[3:]]
     return res
 
 
@@ -279,19 +305,19 @@ def test_lease_busy_at_concurrency(ledger, job):
     assert j.zmembers(j.k.ready(0)) == [str(seq)]
 
 
-def test_lease_raced_when_seq_not_ready(job):
+def test_lease_none_when_nothing_is_ready_at_the_stage(job):
     j = job(items=10, max_items=3)
     plan_next(j)
-    assert lease(j, 1, "tok") == ["raced"]  # seq 1 was never planned
-    assert lease(j, 0, "tok", stage=1) == ["raced"]  # seq 0 waits for stage 0, not 1
+    assert lease(j, 0, "tok", stage=1) == ["none"]  # seq 0 waits for stage 0, not 1
     assert j.batch(0)["status"] == "pending"
+    assert not j.r.exists(j.k.plan_lock)  # no holder given: never plans
 
 
-def test_lease_raced_while_backoff_is_in_the_future(ledger, job):
+def test_lease_none_while_backoff_is_in_the_future(ledger, job):
     j = job(items=10, max_items=3)
     first = ledger.lease(j.id)
     assert fail(j, 0, first.lease_token, initial_ms=60_000)[0] == "retry"
-    assert lease(j, 0, "tok-2") == ["raced"]
+    assert lease(j, 0, "tok-2") == ["none"]
     assert j.zmembers(j.k.ready(0)) == ["0"]  # still waiting, not dropped
     assert j.batch(0)["status"] == "pending"
 
@@ -308,7 +334,7 @@ def test_lease_tampered_batch_is_corrupt_and_counted_failed(job):
     j = job(items=10, max_items=3, tolerated_failure_percentage=100)
     seq = plan_next(j)
     j.r.hset(j.k.batch(seq), "start_cursor", cursor(999))
-    assert lease(j, seq, "tok") == ["raced"]  # the only candidate was corrupt: nothing leased
+    assert lease(j, seq, "tok") == ["none"]  # the only candidate was corrupt: nothing leased
     assert j.r.hget(j.k.batch(seq), "corrupt") == "1"
     assert j.zmembers(j.k.ready(0)) == []
     assert j.zmembers(j.k.failed) == [str(seq)]
@@ -337,6 +363,92 @@ def test_lease_corrupt_batch_spends_the_failure_budget_now(job):
     state = j.job()
     assert state["n_failed"] == "1"
     assert state["status"] == "failed"  # as fail.lua does: "failure budget exceeded at batch 0"
+
+
+def test_lease_takes_the_latest_stage_first_and_drops_stale_ready_entries(ledger, job):
+    j = job(items=10, max_items=3)
+    first = ledger.lease(j.id)
+    assert complete(j, 0, first.lease_token, {"a": 1})[0] == "ok"  # batch 0 waits for stage 1
+    plan_next(j)  # batch 1 waits for stage 0
+    j.r.zadd(j.k.ready(1), {"1": 0})  # an entry of a batch that is not pending at stage 1: ordered first
+    res = lease_raw(j, "tok", stages=(1, 0))
+    assert res[:3] == ["ok", "0", "1"]
+    assert j.zmembers(j.k.ready(1)) == []  # the stale entry went, the leased one too
+    assert lease_raw(j, "tok-2", stages=(1, 0))[:3] == ["ok", "1", "0"]
+    assert j.all_intact()
+
+
+def test_lease_with_nothing_ready_takes_the_plan_lock_once(job):
+    j = job(items=list(range(10)), max_items=3)
+    res = lease_raw(j, "tok", holder="me", prefetch=7)
+    # the frontier, and the src list's length and items from the frontier's offset for reading ahead
+    assert res == ["plan", "0", cursor(0), 10, *[dumps(i) for i in range(7)]]
+    assert j.r.get(j.k.plan_lock) == "me" and 0 < j.r.pttl(j.k.plan_lock) <= 30_000
+    assert lease_raw(j, "tok-2", holder="you") == ["planning"]  # one planner reads the source
+    assert j.r.get(j.k.plan_lock) == "me"
+    assert plan_many(j, 0, cursor(0), [(cursor(3), "0", [0, 1, 2])], holder="me")[0] == "ok"
+    assert not j.r.exists(j.k.plan_lock)  # released by the plan
+
+
+def test_lease_answers_none_when_there_is_nothing_to_plan(ledger, job):
+    j = job(items=3, max_items=3)
+    ledger.lease(j.id)  # plans the only batch: the source is exhausted
+    assert lease_raw(j, "tok", holder="me") == ["none"]
+    assert not j.r.exists(j.k.plan_lock)
+
+
+def test_lease_waits_out_a_failing_source(job):
+    j = job(items=10, max_items=3)
+    retry_at = int(now_ms()) + 60_000
+    j.ledger.scripts.source_fail(keys=[j.k.job, j.k.log, j.k.audit],
+                                 args=["down", "1", 5, 60_000, 1.0, 60_000, 0.999, MAXLEN])
+    res = lease_raw(j, "tok", holder="me")
+    assert res[0] == "source_wait" and abs(int(res[1]) - retry_at) < 5_000 and res[2] == "down"
+    assert not j.r.exists(j.k.plan_lock)
+
+
+def test_plan_ahead_cuts_chained_batches_and_leases_the_first(job):
+    j = job(items=10, max_items=3)
+    j.r.set(j.k.plan_lock, "me", px=30_000)
+    before = math.floor(now_ms())
+    res = plan_many(j, 0, cursor(0), [(cursor(3), "0", [0, 1, 2]), (cursor(6), "0", [3, 4, 5]),
+                                      ("null", "1", [6, 7, 8, 9])], token="tok", holder="me", lease_ms=5_000)
+    assert res[:4] == ["ok", "0", "3", "1"]
+    assert before + 5_000 <= int(res[4]) <= math.ceil(now_ms()) + 5_000
+    assert res[5:] == [cursor(0), cursor(3), "[0,1,2]"]
+    assert not j.r.exists(j.k.plan_lock)
+    assert pick(j.batch(0), "status", "attempt", "lease_token", "st:0") == ("leased", "1", "tok", "running")
+    assert [pick(j.batch(s), "status", "start_cursor", "end_cursor", "n_items") for s in (1, 2)] == [
+        ("pending", cursor(3), cursor(6), "3"), ("pending", cursor(6), "null", "4")]
+    assert j.zmembers(j.k.ready(0)) == ["1", "2"]
+    assert j.zmembers(j.k.leases) == ["0"]
+    assert j.r.get(j.k.items(2)) == "[6,7,8,9]"
+    state = j.job()
+    assert pick(state, "next_seq", "n_open", "frontier", "exhausted") == ("3", "3", "null", "1")
+    assert [e["seq"] for e in j.events("planned")] == ["0", "1", "2"]
+    assert j.events("stage_started") == [{"event": "stage_started", "seq": "0", "stage": "0", "attempt": "1"}]
+    assert j.all_intact()
+
+
+def test_plan_ahead_leases_nothing_at_concurrency_and_refuses_a_broken_chain(job):
+    j = job(items=10, max_items=3)
+    j.r.zadd(j.k.leases, {"99": 0})  # one lease held: concurrency 1 reached
+    res = plan_many(j, 0, cursor(0), [(cursor(3), "0", [0, 1, 2]), (cursor(6), "0", [3, 4, 5])],
+                    token="tok", concurrency=1)
+    assert res == ["ok", "0", "2"]
+    assert j.zmembers(j.k.ready(0)) == ["0", "1"]
+    j.r.zrem(j.k.leases, "99")
+    before = j.job()
+    with pytest.raises(Exception, match="only the last batch"):
+        plan_many(j, 2, cursor(6), [("null", "1", [6, 7, 8, 9]), (cursor(12), "0", [1])])
+    assert j.job() == before and not j.r.exists(j.k.batch(2))
+
+
+def test_plan_lock_of_another_holder_is_left_alone(job):
+    j = job(items=10, max_items=3)
+    j.r.set(j.k.plan_lock, "other", px=30_000)
+    assert plan_many(j, 0, cursor(1), [(cursor(3), "0", [1, 2])], holder="me") == ["raced"]
+    assert j.r.get(j.k.plan_lock) == "other"
 
 
 # == heartbeat =======================================================================================

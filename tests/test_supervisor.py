@@ -20,6 +20,9 @@ def settings(settings):
 
 
 def _leased_job(ledger, make_job, leases=3):
+    # one batch per plan: the batches these tests see pending are exactly the dead leases returned
+    # (planning ahead is covered by tests/test_lease_planning.py and the model test)
+    ledger.plan_ahead = 1
     job_id = make_job(items=list(range(30)), max_items=3, concurrency=10,
                       stage_defs=[{"name": "score", "lease": 0.1,
                                    "retry": {"initial_interval": 0.05}}])

@@ -1,54 +1,88 @@
--- lease.lua: hand one ready batch's current stage to a worker, trying several candidates in order.
--- KEYS[1] job   KEYS[2] ready:<stage>   KEYS[3] leases   KEYS[4] log   KEYS[5] failed
--- KEYS[6..] batch:<seq>, items:<seq> pairs for the candidate seqs in ARGV[8..]
--- ARGV[1] stage   ARGV[2] lease length (ms)   ARGV[3] new lease token   ARGV[4] concurrency
--- ARGV[5] log maxlen   ARGV[6] budget total   ARGV[7] tolerated failure %   ARGV[8..] candidate seqs
--- Returns {'ok', seq, attempt, deadline_ms, start_cursor, end_cursor, items, input}
---       | {'busy'} | {'raced'} | {'status', s} | {'corrupt', 'job'}
+-- lease.lua: hand the next ready batch stage of a job to a worker in one round trip; when nothing is
+-- ready and a new batch may be cut, take the job's plan lock instead and say where to read.
+-- KEYS[1] job   KEYS[2] leases   KEYS[3] log   KEYS[4] failed   KEYS[5] planlock   KEYS[6] src
+-- KEYS[7..6+N] ready:<stage> of the N offered stages, in the order of ARGV[10..]
+-- ARGV[1] new lease token   ARGV[2] concurrency   ARGV[3] log maxlen   ARGV[4] budget total (batches)
+-- ARGV[5] tolerated failure %   ARGV[6] plan lock holder ('' = never plan: the first stage is not offered)
+-- ARGV[7] plan lock lifetime (ms)   ARGV[8] inline read-ahead: items of src to return from the frontier's
+--         offset (0 = none)   ARGV[9] N   ARGV[10..9+2N] (stage, lease length ms) pairs, latest stage first
+-- Returns {'ok', seq, stage, attempt, deadline_ms, start_cursor, end_cursor, items, input}
+--       | {'plan', next_seq, frontier, src length, src items...}  (the caller holds the plan lock now)
+--       | {'planning'} (another caller holds the plan lock: its batches come soon)
+--       | {'source_wait', retry_at_ms, error} (the source failed; not before retry_at)
+--       | {'none'} (nothing ready, nothing to plan) | {'busy'} (concurrency reached)
+--       | {'status', s} | {'corrupt', 'job'}
 -- Invariant: one batch stage is leased to at most one holder; the attempt (fencing token) rises by one
--- per lease; at most <concurrency> batches of a job are leased at once; only a running job leases.
--- Several callers racing for the same ready set each take the first candidate still ready, so a
--- lost race costs one more candidate, not an empty answer.
+-- per lease; at most <concurrency> batches of a job are leased at once; only a running job leases; a
+-- corrupt job record refuses, a corrupt batch is never run (it counts as failed for good). The ready set
+-- is read here, in the same script that leases, so there is no lost race to retry.
+-- Key names: the batch:<seq> and items:<seq> keys of the candidates are built here from KEYS[1] (the job
+-- key, '<prefix>:{<job>}:job'), since which seqs are ready is only known inside the script. They carry
+-- the job's hash tag, so they live in KEYS[1]'s slot (Redis Cluster serves undeclared keys of the
+-- script's own slot; see docs/design.md).
 local job = load(KEYS[1])
 if job == false then return {'corrupt', 'job'} end
 if job == nil then return {'status', 'missing'} end
 if job['status'] ~= 'running' then return {'status', job['status']} end
-if redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[4]) then return {'busy'} end
-local stage = ARGV[1]
+if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[2]) then return {'busy'} end
+local base = string.sub(KEYS[1], 1, -5)
+if string.sub(KEYS[1], -4) ~= ':job' then return redis.error_reply('KEYS[1] is not a job key') end
 local now = now_ms()
-for i = 8, #ARGV do
-  local seq = ARGV[i]
-  local bkey, ikey = KEYS[6 + 2 * (i - 8)], KEYS[7 + 2 * (i - 8)]
-  local ready_at = redis.call('ZSCORE', KEYS[2], seq)
-  if ready_at and tonumber(ready_at) <= now then
-    local batch = load(bkey)
-    if not batch then
-      -- Corrupt (or vanished) batch: never run it; it counts as a failed batch.
-      local chg = {updated_ms = int(now)}
-      failed_for_good(job, chg, seq, now, ARGV[6], tonumber(ARGV[7]))
-      local bad = negative_counter(job, chg)
-      if bad then return refuse_corrupt(KEYS[1], KEYS[4], ARGV[5], bad .. ' would go negative at corrupt batch ' .. seq) end
-      redis.call('ZREM', KEYS[2], seq)
-      redis.call('ZADD', KEYS[5], seq, seq)
-      save(KEYS[1], job, chg)
-      log(KEYS[4], ARGV[5], {'event', 'batch_corrupt', 'seq', seq, 'error', 'checksum mismatch'})
-      if job['status'] ~= 'running' then return {'status', job['status']} end
-    elseif batch['status'] ~= 'pending' or batch['stage'] ~= stage then
-      redis.call('ZREM', KEYS[2], seq)
-    else
-      local attempt = tonumber(batch['attempt']) + 1
-      local deadline = now + tonumber(ARGV[2])
-      local chg = {status = 'leased', attempt = int(attempt), lease_token = ARGV[3],
-        leased_ms = int(now), deadline_ms = int(deadline)}
-      chg['st:' .. stage] = 'running'
-      save(bkey, batch, chg)
-      redis.call('ZREM', KEYS[2], seq)
-      redis.call('ZADD', KEYS[3], deadline, seq)
-      log(KEYS[4], ARGV[5], {'event', 'stage_started', 'seq', seq, 'stage', stage, 'attempt', int(attempt)})
-      local items = redis.call('GET', ikey) or ''
-      local input = batch['out:' .. (tonumber(stage) - 1)] or ''
-      return {'ok', seq, int(attempt), int(deadline), batch['start_cursor'], batch['end_cursor'], items, input}
+local nstages = tonumber(ARGV[9])
+for s = 1, nstages do
+  local stage = ARGV[8 + 2 * s]
+  local lease_ms = tonumber(ARGV[9 + 2 * s])
+  local ready = KEYS[6 + s]
+  while true do
+    local cands = redis.call('ZRANGEBYSCORE', ready, '-inf', now, 'LIMIT', 0, 8)
+    if #cands == 0 then break end
+    for _, seq in ipairs(cands) do
+      local bkey = base .. ':batch:' .. seq
+      local batch = load(bkey)
+      if not batch then
+        -- Corrupt (or vanished) batch: never run it; it counts as a failed batch.
+        local chg = {updated_ms = int(now)}
+        failed_for_good(job, chg, seq, now, ARGV[4], tonumber(ARGV[5]))
+        local bad = negative_counter(job, chg)
+        if bad then return refuse_corrupt(KEYS[1], KEYS[3], ARGV[3], bad .. ' would go negative at corrupt batch ' .. seq) end
+        redis.call('ZREM', ready, seq)
+        redis.call('ZADD', KEYS[4], seq, seq)
+        save(KEYS[1], job, chg)
+        log(KEYS[3], ARGV[3], {'event', 'batch_corrupt', 'seq', seq, 'error', 'checksum mismatch'})
+        if job['status'] ~= 'running' then return {'status', job['status']} end
+      elseif batch['status'] ~= 'pending' or batch['stage'] ~= stage then
+        redis.call('ZREM', ready, seq)
+      else
+        local attempt = tonumber(batch['attempt']) + 1
+        local deadline = now + lease_ms
+        local chg = {status = 'leased', attempt = int(attempt), lease_token = ARGV[1],
+          leased_ms = int(now), deadline_ms = int(deadline)}
+        chg['st:' .. stage] = 'running'
+        save(bkey, batch, chg)
+        redis.call('ZREM', ready, seq)
+        redis.call('ZADD', KEYS[2], deadline, seq)
+        log(KEYS[3], ARGV[3], {'event', 'stage_started', 'seq', seq, 'stage', stage, 'attempt', int(attempt)})
+        local items = redis.call('GET', base .. ':items:' .. seq) or ''
+        local input = batch['out:' .. (tonumber(stage) - 1)] or ''
+        return {'ok', seq, stage, int(attempt), int(deadline), batch['start_cursor'], batch['end_cursor'],
+          items, input}
+      end
     end
   end
 end
-return {'raced'}
+-- nothing ready: may this caller cut the next batch?
+if ARGV[6] == '' or job['exhausted'] == '1' or job['blocked'] ~= '' then return {'none'} end
+local retry_at = tonumber(job['src_retry_ms'] or '0')
+if retry_at > now then return {'source_wait', int(retry_at), job['src_error'] or ''} end
+if not redis.call('SET', KEYS[5], ARGV[6], 'NX', 'PX', ARGV[7]) then return {'planning'} end
+local reply = {'plan', job['next_seq'], job['frontier']}
+local ahead = tonumber(ARGV[8])
+if ahead > 0 then
+  local ok, cursor = pcall(cjson.decode, job['frontier'])
+  if ok and type(cursor) == 'table' and type(cursor['offset']) == 'number' then
+    reply[4] = redis.call('LLEN', KEYS[6])
+    local window = redis.call('LRANGE', KEYS[6], cursor['offset'], cursor['offset'] + ahead - 1)
+    for i = 1, #window do reply[4 + i] = window[i] end
+  end
+end
+return reply
