@@ -228,17 +228,15 @@ class PushWorker:
         return started
 
     def _lease(self, d: dispatch.Dispatcher, job_id: str) -> Any:
+        """A lease on the job's next ready push batch (2 round trips: target states, lease.lua), or None;
+        a job that has ended leaves the fed set."""
         try:
             spec = d.ledger.spec(job_id)
-            status = d.ledger.r.hget(d.ledger.keys.job(job_id).job, "status")
-            if status in DONE or status is None:
-                d.drop_fed(job_id)
-                self.backoff.pop(job_id, None)
-                return None
-            if status != "running":
-                return None
             stages = d.open_stages(spec)
-            return d.lease_next(job_id, stages) if stages else None
+            lease = d.lease_next(job_id, stages) if stages else None
+            if lease is None and d.ledger.r.hget(d.ledger.keys.job(job_id).job, "status") in (*DONE, None):
+                d.drop_fed(job_id)
+            return lease
         except (NotFound, CorruptRecord) as exc:
             log.warning("worker: job_id=%s dropped from feeding: %s", job_id, exc.detail)
             d.drop_fed(job_id)
