@@ -216,7 +216,7 @@ class Dispatcher:
             return
         granted = self._take_slot(stage, holder)
         if granted not in ("ok", "probe"):  # the target filled up or began cooling since the lease
-            self._begin(spec, stage, seq, stage_idx, token, mode="release")
+            self._begin(spec, stage, seq, stage_idx, token, mode="release", reason="target_busy")
             return
         try:
             if not self._begin(spec, stage, seq, stage_idx, token):
@@ -315,7 +315,7 @@ class Dispatcher:
                 pause = min(pause * 2, 2.0)
 
     def _begin(self, spec: JobSpec, stage: Stage, seq: int, stage_idx: int, token: str,
-               mode: str = "") -> bool:
+               mode: str = "", reason: str = "") -> bool:
         """The ledger's word that this call may start now (begin.lua): the lease is current and the
         job running. A cancel voids leases, so no call starts after it; a paused or held job gets the
         batch back in its ready set without spending an attempt."""
@@ -323,7 +323,7 @@ class Dispatcher:
         res = self.ledger.scripts.begin(
             keys=[k.job, k.batch(seq), k.leases, k.ready(stage_idx), k.log],
             args=[token, int(stage.lease.total_seconds() * 1000), self.settings.log_maxlen,
-                  mode])
+                  mode, reason])
         if res[0] == "ok":
             return True
         log.info("call not started job_id=%s seq=%s: %s", spec.job_id, seq, "/".join(map(str, res)))

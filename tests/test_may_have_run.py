@@ -144,7 +144,9 @@ def test_a_lost_poll_asks_the_platform_about_the_run_before_triggering_again(pus
     with StandinDify(api_key=DIFY_KEY, run_s=0.3, break_after_s=0.05, sticks_on_hangup=False) as server:
         job_id = make_job(items=[1], max_items=1, stage_defs=stage(dify(server, "streaming"), False, lease=1))
         assert d.run_ready(job_id) == 1  # the stream broke after workflow_started: a poll is scheduled
-        d.queue.scheduled_job_registry.remove_jobs()  # ... and lost with its worker
+        registry = d.queue.scheduled_job_registry
+        for lost in registry.get_job_ids():  # ... and lost with its worker
+            registry.remove(lost)
         time.sleep(1.1)
         assert [seq for seq, _ in ledger.expire_due(job_id)] == [0]
         job = run_job(ledger, d, job_id)

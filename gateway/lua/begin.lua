@@ -4,6 +4,7 @@
 -- ARGV[4] 'release': give the lease back without a call (a stopping worker), whatever the job's status;
 --         'claim': a worker took the attempt off the queue: the stage's lease clock starts now, no call
 --         yet (called_ms unset), so a worker killed before its call lets the lease expire unspent
+-- ARGV[5] why a 'release' gives the lease back, for the log ('' = worker_stopping; e.g. target_busy)
 -- Returns {'ok', deadline_ms} | {'released', job status} | {'stale', status, attempt} | {'cancelled'}
 --       | {'corrupt'} | {'missing'}
 -- Invariant: a platform call starts only for the current lease of a running job, decided here in one
@@ -23,12 +24,8 @@ if status == 'running' and ARGV[4] ~= 'release' then
   redis.call('ZADD', KEYS[3], deadline, seq)
   return {'ok', int(deadline)}
 end
-local chg = {status = 'pending', lease_token = '', deadline_ms = '', ready_ms = int(now),
-  unspent = int(tonumber(batch['unspent'] or '0') + 1)}
-chg['st:' .. batch['stage']] = 'pending'
-save(KEYS[2], batch, chg)
-redis.call('ZREM', KEYS[3], seq)
-redis.call('ZADD', KEYS[4], now, seq)
+give_back(KEYS[2], KEYS[3], KEYS[4], batch, now)
+local reason = (ARGV[5] or '') ~= '' and ARGV[5] or (ARGV[4] == 'release' and 'worker_stopping' or 'job_status')
 log(KEYS[5], ARGV[3], {'event', 'call_not_started', 'seq', seq, 'stage', batch['stage'],
-  'attempt', batch['attempt'], 'job_status', status, 'reason', ARGV[4] == 'release' and 'worker_stopping' or 'job_status'})
+  'attempt', batch['attempt'], 'job_status', status, 'reason', reason})
 return {'released', status}

@@ -167,6 +167,17 @@ end
 -- the failure budget decides the job. Returns 'retry', 'failed' or 'corrupt' (nothing written but the
 -- corrupt mark). Attempts a lease was released from without a platform call ('unspent') do not count.
 -- p.error_type (optional) is recorded in the batch ('error_type') and the log entry.
+-- Give a leased batch back to its stage's ready set, ready at ``ready_at``, without spending its attempt
+-- (unspent + 1 balances the lease's attempt + 1): a call that never began, or found its target down.
+local function give_back(batch_key, leases_key, ready_key, batch, ready_at)
+  local chg = {status = 'pending', lease_token = '', deadline_ms = '', ready_ms = int(ready_at),
+    unspent = int(tonumber(batch['unspent'] or '0') + 1)}
+  chg['st:' .. batch['stage']] = 'pending'
+  save(batch_key, batch, chg)
+  redis.call('ZREM', leases_key, batch['seq'])
+  redis.call('ZADD', ready_key, ready_at, batch['seq'])
+end
+
 local function fail_attempt(k, job, batch, seq, p)
   local stage = batch['stage']
   local now = p.now

@@ -34,12 +34,7 @@ redis.call('HSET', KEYS[7], 'since_ms', int(since), 'until_ms', int(until_ms), '
 redis.call('HDEL', KEYS[7], 'probe_ms')
 redis.call('SADD', KEYS[8], ARGV[9])
 -- the batch goes back, ready when the target may be tried again; its attempt is not spent
-local bchg = {status = 'pending', lease_token = '', deadline_ms = '', ready_ms = int(until_ms),
-  unspent = int(tonumber(batch['unspent'] or '0') + 1)}
-bchg['st:' .. batch['stage']] = 'pending'
-save(KEYS[2], batch, bchg)
-redis.call('ZREM', KEYS[3], seq)
-redis.call('ZADD', KEYS[4], until_ms, seq)
+give_back(KEYS[2], KEYS[3], KEYS[4], batch, until_ms)
 local reason = ARGV[8] .. ' unavailable since ' .. int(since) .. ' ms: ' .. ARGV[2]
 local jchg = {waiting = ARGV[2], waiting_target = ARGV[8], waiting_since_ms = int(since),
   waiting_until_ms = int(until_ms)}
