@@ -47,7 +47,8 @@ class Platform:
         ThreadingHTTPServer.allow_reuse_address = True
         self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
+                         daemon=True).start()
 
     def close(self) -> None:
         self.server.shutdown()
@@ -129,7 +130,8 @@ def test_a_target_down_past_outage_pause_after_pauses_the_job_with_the_reason(pu
     assert view["status"] == "paused" and view["batches"]["failed"] == 0
     audit = api.get(f"/v1/jobs/{job_id}/audit").json()["entries"]
     paused = [e for e in audit if e["event"] == "job_paused"]
-    assert paused and "unavailable for" in paused[-1]["reason"] and f"127.0.0.1:{port}" in paused[-1]["reason"]
+    reason = paused[-1]["reason"] if paused else ""
+    assert "unavailable for" in reason and f"127.0.0.1:{port}" in reason
     assert spent(ledger, job_id, 0) == 0
 
 
