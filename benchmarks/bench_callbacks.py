@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import requests
 from _common import ledger_on_private_redis
+from pydantic import SecretStr
 from werkzeug.serving import make_server
 
 from gateway.app import create_app
@@ -92,13 +94,15 @@ def main() -> None:
     batches = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
     hold = float(sys.argv[2]) if len(sys.argv) > 2 else 5.0
     platform = CallbackPlatform(hold)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log line per callback
     with ledger_on_private_redis() as (ledger, service):
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
         app_holder: dict = {}
         server = make_server("127.0.0.1", 0, lambda e, s: app_holder["app"](e, s), threaded=True)
         base = f"http://127.0.0.1:{server.server_port}"
         settings = ledger.settings.model_copy(update={
-            "outbound_allow": ["127.0.0.1/32"], "signing_key": "bench-signing-key", "public_url": base})
+            "outbound_allow": ["127.0.0.1/32"], "signing_key": SecretStr("bench-signing-key"),
+            "public_url": base})
         ledger.settings = settings
         app_holder["app"] = create_app(settings, ledger.r)
         threading.Thread(target=server.serve_forever, daemon=True).start()

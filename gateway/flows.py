@@ -159,7 +159,7 @@ class FlowSpec(BaseModel):
     source: dict[str, Any] | None = None
     batching: Batching = Field(default_factory=Batching)
     stages: list[Stage] = Field(min_length=1, max_length=16)
-    concurrency: int = Field(default=4, ge=1, le=1000)
+    concurrency: int = Field(default=4, ge=1, le=10_000)
     tolerated_failure_percentage: float = Field(default=0.0, ge=0.0, le=100.0)
     retention: timedelta = Field(default=timedelta(days=7), gt=ZERO, le=timedelta(days=3650))
 
