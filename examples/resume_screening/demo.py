@@ -203,7 +203,7 @@ class Demo:
             uncommitted={b["seq"] for b in batches if b["status"] != "completed" and b["stage"] == "score"},
             cut_off=self.cut_off(batches), committed_cursor=job["committed_cursor"])
         at_kill.paid = self.paid_by_first_run()
-        who = ("the worker and its RQ work horse while the platform was" if self.mode == "push"
+        who = ("the worker (its call threads die with it) while the platform was" if self.mode == "push"
                else "worker.py while it was")
         offset = (at_kill.committed_cursor or {}).get("offset", 0)
         print(f"SIGKILL sent to {who} scoring batches {at_kill.cut_off}; committed cursor at the kill: "
@@ -278,10 +278,11 @@ class Demo:
 
 
 def kill_worker(worker: subprocess.Popen) -> None:
-    """SIGKILL the worker and every process it started, as when its machine dies. RQ runs each job in a
-    forked work horse in a process group of its own: SIGKILL to the worker's group alone would spare
-    the call in flight, which would then commit as if nothing had happened."""
-    os.killpg(worker.pid, signal.SIGSTOP)  # no new work horse forks while we look for them
+    """SIGKILL the worker and every process it started, as when its machine dies. A push worker's calls
+    run in its own threads, but RQ's scheduler (for polls) and any forked work horse live in processes
+    of their own, possibly in process groups of their own: SIGKILL to the worker's group alone could
+    spare one, which would then go on as if nothing had happened."""
+    os.killpg(worker.pid, signal.SIGSTOP)  # nothing new forks while we look for the children
     out = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True, check=True)
     children: dict[int, list[int]] = {}
     for line in out.stdout.splitlines():
