@@ -147,6 +147,9 @@ class Done:
 @dataclass(frozen=True)
 class Accepted:
     platform_ids: dict[str, str] = field(default_factory=dict)
+    #: the run the platform started, in the form ``poll`` takes, when it named one and can be asked: if
+    #: the callback never comes, the next attempt asks about this run before triggering the flow again
+    handle: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -142,7 +142,10 @@ class N8nConnector:
             raise _webhook_error(resp, body, call, target)
         pids = ids(execution_id=_execution_id(body))
         if target["mode"] == "callback":
-            return Accepted(pids)
+            # an execution id (a Respond to Webhook node may answer one) can be asked about if the
+            # callback is lost, where the public API is configured
+            can_ask = bool(pids.get("execution_id") and target.get("api_url"))
+            return Accepted(pids, handle={"execution_id": pids["execution_id"]} if can_ask else None)
         return _sync_outcome(body, target, pids)
 
     def poll(self, call: StageCall, handle: dict[str, Any], session: requests.Session) -> Outcome:

@@ -454,6 +454,8 @@ class Dispatcher:
                 commit_answer(self.ledger, spec, stage, seq, token, outcome.answer)
             elif isinstance(outcome, Accepted):
                 self.ledger.note(job_id, "awaiting_callback", **where, **outcome.platform_ids)
+                if outcome.handle and remember:
+                    self._remember_run(spec, seq, token, outcome.handle)
             elif isinstance(outcome, Running):
                 self.ledger.note(job_id, "platform_running", **where, **outcome.platform_ids)
                 if remember:

@@ -156,3 +156,46 @@ def test_a_lost_poll_asks_the_platform_about_the_run_before_triggering_again(pus
     assert billed == 1
     events = [e["event"] for e in api.get(f"/v1/jobs/{job_id}/log").json()["entries"]]
     assert "asking_about_earlier_run" in events
+
+
+def test_a_lost_n8n_callback_is_asked_about_by_execution_id_before_triggering_again(push, make_job, api):
+    """n8n answered the callback-mode trigger with an execution id and the callback never came: when the
+    lease runs out, the next attempt asks n8n's API about that execution and commits it; no new run."""
+    from tests.connectors.helpers import HOOK_SECRET, N8N_API_KEY
+    from tests.connectors.test_n8n_connector import StandInN8n
+
+    class SavingN8n(StandInN8n):
+        """Saves successful executions with their data, as polled flows must."""
+
+        def handle_api(self, handler):
+            execution_id = handler.path.split("?")[0].rsplit("/", 1)[1]
+            if self.executions.get(execution_id) == ["success"]:
+                del self.executions[execution_id]
+                answer = {"status": "succeeded", "output": {"scored": 1}}
+                run_data = {"Respond": [{"data": {"main": [[{"json": answer}]]}}]}
+                return self.send(handler, 200, {
+                    "id": execution_id, "finished": True, "status": "success",
+                    "data": {"resultData": {"lastNodeExecuted": "Respond", "runData": run_data}}})
+            return super().handle_api(handler)
+
+    ledger, d = push
+    secrets = {"acme": {"hook": HOOK_SECRET, "n8n": N8N_API_KEY}}
+    d.settings = d.settings.model_copy(update={"secrets": secrets})
+    server = SavingN8n()
+    try:
+        server.mode = "execution"  # answers {"executionId"}; the execution reports running, then success
+        target = {"type": "n8n", "url": server.url, "mode": "callback", "auth_secret": "hook",
+                  "api_url": server.base_url, "api_key_secret": "n8n"}
+        job_id = make_job(items=[1], max_items=1, stage_defs=stage(target, False, lease=1))
+        assert d.run_ready(job_id) == 1  # triggered; the callback is lost
+        time.sleep(1.1)
+        assert [seq for seq, _ in ledger.expire_due(job_id)] == [0]
+        job = run_job(ledger, d, job_id)
+    finally:
+        server.close()
+    batch = api.get(f"/v1/jobs/{job_id}/batches/0").json()
+    assert job["status"] == "succeeded", batch
+    assert batch["stages"]["run"]["output"] == {"scored": 1}
+    assert server.webhook_calls == 1  # asked about, never triggered again
+    events = [e["event"] for e in api.get(f"/v1/jobs/{job_id}/log").json()["entries"]]
+    assert "asking_about_earlier_run" in events
