@@ -488,6 +488,27 @@ class FakeCoze(FakePlatform):
         reply.json(200, {"code": 0, "msg": "", "data": [record]})
 
 
+def respond(handler: BaseHTTPRequestHandler, status: int, body: Any = b"",
+            content_type: str = "application/json") -> None:
+    """Answer a request: ``body`` as JSON, or bytes as they are."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    handler.send_response(status)
+    if data:
+        handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+def serve_on(handler: type[BaseHTTPRequestHandler], port: int = 0) -> ThreadingHTTPServer:
+    """A threaded HTTP server on 127.0.0.1 (``port`` 0: a free one; a given port may be reused at once)."""
+    ThreadingHTTPServer.allow_reuse_address = True
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+    return server
+
+
 class SlowSyncPlatform:
     """A sync platform that takes ``delay`` seconds per call, recording arrivals and the peak in flight."""
 
@@ -511,12 +532,7 @@ class SlowSyncPlatform:
                     outer.peak = max(outer.peak, outer.in_flight)
                 try:
                     time.sleep(outer.delay)
-                    data = json.dumps({"status": "succeeded", "output": {"n": len(body["items"])}}).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
+                    respond(self, 200, {"status": "succeeded", "output": {"n": len(body["items"])}})
                 finally:
                     with outer.lock:
                         outer.in_flight -= 1

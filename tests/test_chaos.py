@@ -24,6 +24,7 @@ import redis
 from pydantic import SecretStr
 
 from gateway.embedded import EmbeddedRedis, client_for
+from tests.platforms import respond, serve_on
 from tests.test_worker_concurrency import stack
 
 pytestmark = pytest.mark.slow
@@ -58,25 +59,14 @@ class ChaosPlatform:
                 if outer.mode == "booting":
                     with outer.lock:
                         outer.refused_404 += 1
-                    data = BOOT_404.encode()
-                    self.send_response(404)
-                    self.send_header("Content-Type", "text/html; charset=utf-8")
-                else:
-                    time.sleep(outer.delay)
-                    with outer.lock:
-                        outer.paid[body["seq"]] += 1
-                    data = json.dumps({"status": "succeeded", "output": {"seq": body["seq"]}}).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                    respond(self, 404, BOOT_404.encode(), "text/html; charset=utf-8")
+                    return
+                time.sleep(outer.delay)
+                with outer.lock:
+                    outer.paid[body["seq"]] += 1
+                respond(self, 200, {"status": "succeeded", "output": {"seq": body["seq"]}})
 
-        ThreadingHTTPServer.allow_reuse_address = True
-        server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-        return server
+        return serve_on(Handler, port)
 
     def down(self) -> None:
         self.mode = "down"

@@ -4,17 +4,16 @@ answers. Real sockets on 127.0.0.1: a closed port (connection refused), then a s
 
 from __future__ import annotations
 
-import json
 import socket
-import threading
 import time
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from gateway.dispatch import Dispatcher, target_id
 from gateway.ledger import Ledger
+from tests.platforms import respond, serve_on
 
 
 class Platform:
@@ -33,22 +32,11 @@ class Platform:
                 self.rfile.read(int(self.headers["Content-Length"]))
                 outer.calls += 1
                 if outer.unavailable:
-                    self.send_response(503)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                    respond(self, 503)
                     return
-                data = json.dumps({"status": "succeeded", "output": {}}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                respond(self, 200, {"status": "succeeded", "output": {}})
 
-        ThreadingHTTPServer.allow_reuse_address = True
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
-                         daemon=True).start()
+        self.server = serve_on(Handler, port)
 
     def close(self) -> None:
         self.server.shutdown()
