@@ -761,3 +761,16 @@ def test_resume_after_the_stored_definition_was_tampered_is_409(api, settings, r
         assert body["recorded_hash"] == recorded
         assert body["current_hash"] and body["current_hash"] != body["recorded_hash"]
         assert snapshot(api, job_id) == before
+
+
+def test_a_failure_type_a_worker_reports_shows_with_the_batch(api, make_job, ledger):
+    job_id = make_job(items=[1, 2], max_items=2, stages=("only",))
+    lease = ledger.lease(job_id)
+    resp = api.post(f"/v1/jobs/{job_id}/batches/{lease.seq}/fail",
+                    json={"lease_token": lease.lease_token,
+                          "error": {"message": "model quota exceeded", "type": "quota", "retryable": True}})
+    assert resp.status_code == 200 and resp.json()["outcome"] == "retry"
+    batch = api.get(f"/v1/jobs/{job_id}/batches/{lease.seq}").json()
+    assert (batch["error"], batch["error_type"], batch["attempts_spent"]) == ("model quota exceeded", "quota", 1)
+    listed = api.get(f"/v1/jobs/{job_id}/batches").json()["batches"]
+    assert listed[0]["error_type"] == "quota"
