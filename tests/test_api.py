@@ -771,6 +771,7 @@ def test_a_failure_type_a_worker_reports_shows_with_the_batch(api, make_job, led
                           "error": {"message": "model quota exceeded", "type": "quota", "retryable": True}})
     assert resp.status_code == 200 and resp.json()["outcome"] == "retry"
     batch = api.get(f"/v1/jobs/{job_id}/batches/{lease.seq}").json()
-    assert (batch["error"], batch["error_type"], batch["attempts_spent"]) == ("model quota exceeded", "quota", 1)
+    shown = (batch["error"], batch["error_type"], batch["attempts_spent"])
+    assert shown == ("model quota exceeded", "quota", 1)
     listed = api.get(f"/v1/jobs/{job_id}/batches").json()["batches"]
     assert listed[0]["error_type"] == "quota"
