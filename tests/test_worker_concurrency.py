@@ -110,16 +110,17 @@ def start_job(s: Stack, spec: dict) -> str:
     return s.api.post("/v1/jobs", json={"flow_id": spec["id"]}).json()["job_id"]
 
 
-def test_batches_queued_behind_a_busy_worker_longer_than_their_lease_are_called_once(
+def test_batches_waiting_for_a_busy_worker_longer_than_their_lease_are_called_once(
         settings, redis_client, tmp_path):
-    """1 worker running 1 call at a time, flow concurrency 32: most batches wait in the queue far
-    longer than their 2 s lease (12 x 0.6 s); none expires there, so paid calls == batches."""
-    batches = 12
-    platform = SlowSyncPlatform(delay=0.6)
+    """The issue's case: 1 worker running 1 call at a time, flow concurrency 32, a 2 s platform, a 10 s
+    lease: the last batches wait far longer than their lease for the worker (8 x 2 s); none is leased
+    while it waits, so none expires and paid calls == batches."""
+    batches = 8
+    platform = SlowSyncPlatform(delay=2.0)
     try:
         with stack(settings, redis_client, tmp_path / "data") as s:
             s.worker(1)
-            job_id = start_job(s, flow(platform.url, batches, concurrency=32, lease=2, timeout=2,
+            job_id = start_job(s, flow(platform.url, batches, concurrency=32, lease=10, timeout=5,
                                        max_in_flight=32))
             job = s.wait_done(job_id, 60)
             log = s.log(job_id)
@@ -131,9 +132,9 @@ def test_batches_queued_behind_a_busy_worker_longer_than_their_lease_are_called_
     assert platform.peak == 1
     assert [e for e in log if e["event"] in ("retry_scheduled", "batch_failed")] == []
     assert {r["attempt"] for r in records} == {"1"}
-    # the queue wait really was longer than the lease: the last call began > 2 s after the first
+    # the wait really was longer than the lease: the last call began > 10 s after the first
     starts = sorted(t for t, _ in platform.arrivals)
-    assert starts[-1] - starts[0] > 4
+    assert starts[-1] - starts[0] > 12
 
 
 def test_one_worker_process_holds_many_calls_in_flight(settings, redis_client, tmp_path):
