@@ -2,69 +2,29 @@
 
 Run: .venv/bin/python benchmarks/bench_worker_concurrency.py [BATCHES] [CONCURRENCY] [DELAY_S]
      (defaults 400, 200, 2.0: the issue's case)
-A local sync platform answers each call after DELAY_S seconds and counts the calls in flight and the
-calls per batch. A one-stage push flow (concurrency CONCURRENCY, max_in_flight CONCURRENCY) over BATCHES
-one-item batches runs with one `batchgate worker --concurrency CONCURRENCY` process, timed from job
-creation to 'succeeded'. The baseline is the ideal: ceil(BATCHES / CONCURRENCY) x DELAY_S (every call
-as soon as it may start). Targets: peak calls in flight >= 90 % of CONCURRENCY, time <= 2x the ideal,
-paid calls == batches, the worker's peak RSS (process and children, VmRSS) < 300 MB.
+A local sync platform (tests/platforms.py SlowSyncPlatform) answers each call after DELAY_S seconds
+and counts the calls in flight and the calls per batch. A one-stage push flow (concurrency and
+max_in_flight CONCURRENCY) over BATCHES one-item batches runs with one `batchgate worker --concurrency
+CONCURRENCY` process, timed from job creation to 'succeeded'. The baseline is the ideal:
+ceil(BATCHES / CONCURRENCY) x DELAY_S (every call as soon as it may start). Targets: peak calls in
+flight >= 90 % of CONCURRENCY, time <= 2x the ideal, paid calls == batches, the worker's peak RSS
+(process and children, VmRSS) < 300 MB.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from _common import ledger_on_private_redis
 
 from gateway.dispatch import Dispatcher
 from gateway.flows import parse_flow
 from gateway.jobs import JobRequest
-
-
-class SlowPlatform:
-    def __init__(self, delay: float) -> None:
-        self.delay, self.calls, self.in_flight, self.peak = delay, 0, 0, 0
-        self.per_seq: dict[int, int] = {}
-        self.lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with outer.lock:
-                    outer.calls += 1
-                    outer.per_seq[body["seq"]] = outer.per_seq.get(body["seq"], 0) + 1
-                    outer.in_flight += 1
-                    outer.peak = max(outer.peak, outer.in_flight)
-                time.sleep(outer.delay)
-                with outer.lock:
-                    outer.in_flight -= 1
-                data = json.dumps({"status": "succeeded", "output": {"n": len(body["items"])}}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        ThreadingHTTPServer.request_queue_size = 512
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_port}/score"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def reset(self) -> None:
-        with self.lock:
-            self.calls, self.peak, self.per_seq = 0, 0, {}
+from tests.platforms import SlowSyncPlatform
 
 
 def rss_mb(pid: int) -> float:
@@ -85,7 +45,7 @@ def rss_mb(pid: int) -> float:
     return total / 1024
 
 
-def run(service, env, platform: SlowPlatform, batches: int, concurrency: int) -> tuple[float, float]:
+def run(service, env, platform: SlowSyncPlatform, batches: int, concurrency: int) -> tuple[float, float]:
     flow = parse_flow({"id": "slow", "version": "1", "concurrency": concurrency, "batching": {"max_items": 1},
                        "source": {"type": "sequence", "count": batches},
                        "stages": [{"name": "score", "lease": 30, "timeout": 10,
@@ -97,7 +57,9 @@ def run(service, env, platform: SlowPlatform, batches: int, concurrency: int) ->
                              "--concurrency", str(concurrency)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(3)  # let the worker boot
-    platform.reset()
+    with platform.lock:  # count this run only
+        platform.arrivals.clear()
+        platform.peak = 0
     peak_rss = 0.0
     try:
         t0 = time.perf_counter()
@@ -118,7 +80,7 @@ def main() -> None:
     batches = int(sys.argv[1]) if len(sys.argv) > 1 else 400
     concurrency = int(sys.argv[2]) if len(sys.argv) > 2 else 200
     delay = float(sys.argv[3]) if len(sys.argv) > 3 else 2.0
-    platform = SlowPlatform(delay)
+    platform = SlowSyncPlatform(delay)
     with ledger_on_private_redis() as (ledger, service):
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))  # the worker may use every core
         settings = ledger.settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"],
@@ -128,10 +90,11 @@ def main() -> None:
                "BATCHGATE_KEY_PREFIX": settings.key_prefix, "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]',
                "BATCHGATE_SIGNING_KEY": "bench-signing-key", "BATCHGATE_LOG_LEVEL": "WARNING"}
         elapsed, rss = run(service, env, platform, batches, concurrency)
-    platform.server.shutdown()
+    platform.close()
     ideal = math.ceil(batches / concurrency) * delay
-    paid = platform.calls
-    duplicates = sum(n - 1 for n in platform.per_seq.values())
+    seqs = platform.seqs()
+    paid = len(seqs)
+    duplicates = paid - len(set(seqs))
     print(f"{batches} batches, platform {delay:g} s per call, one worker process --concurrency {concurrency}")
     print(f"time {elapsed:.2f} s vs ideal {ideal:.2f} s: {elapsed / ideal:.2f}x the ideal (target <= 2x)")
     print(f"peak calls in flight {platform.peak} of {concurrency} (target >= {int(0.9 * concurrency)})")

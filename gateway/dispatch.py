@@ -76,6 +76,11 @@ def target_id(target: dict[str, Any]) -> str:
     return hashlib.sha1(f"{parts.scheme}://{parts.netloc}".encode()).hexdigest()[:16]
 
 
+def push_stages(spec: JobSpec) -> list[int]:
+    """Indices of the stages batchgate calls a platform for (those with a ``target``)."""
+    return [i for i, s in enumerate(spec.flow.stages) if s.target is not None]
+
+
 def target_urls(target: dict[str, Any]) -> list[str]:
     """Every URL a target may call (trigger and poll)."""
     return [target[k] for k in ("url", "base_url", "api_url") if target.get(k)]
@@ -127,7 +132,9 @@ class Dispatcher:
 
     def kick(self, job_id: str) -> None:
         """Tell the workers ``job_id`` may have work now (a job created, resumed, a callback committed):
-        it joins the fed jobs and its idle backoff ends."""
+        it joins the fed jobs and its idle backoff ends. A job without push stages is left out."""
+        if not push_stages(self.ledger.spec(job_id)):
+            return
         pipe = self.ledger.r.pipeline(transaction=False)
         pipe.sadd(self.ledger.keys.push_jobs, job_id)
         pipe.lpush(self.ledger.keys.push_wake, job_id)
@@ -154,7 +161,7 @@ class Dispatcher:
                     spec = self.ledger.spec(job_id)
                 except BatchgateError:
                     continue
-                if any(s.target is not None for s in spec.flow.stages):
+                if push_stages(spec):
                     r.sadd(k.push_jobs, job_id)
         return sorted(r.smembers(k.push_jobs))
 
@@ -165,7 +172,7 @@ class Dispatcher:
 
     def open_stages(self, spec: JobSpec) -> list[int]:
         """The job's push stages whose target may take a call now: breaker not cooling, not full."""
-        push = [i for i, s in enumerate(spec.flow.stages) if s.target is not None]
+        push = push_stages(spec)
         if not push:
             return []
         k = self.ledger.keys
@@ -352,9 +359,7 @@ class Dispatcher:
             return fn()
         except UnsafeURL as exc:
             return PlatformError(exc.detail, Retry.FATAL)
-        except PlatformError as exc:
-            if exc.status == 429 or (exc.retry_after_s and exc.retry is Retry.RETRYABLE):
-                exc.outage = True  # the target asked us to slow down: wait for it, spend no attempt
+        except PlatformError as exc:  # the connector classes it, outage included (429, 503, never sent)
             return exc
 
     def _call_for(self, spec: JobSpec, stage: Stage, lease: Lease) -> StageCall:

@@ -161,14 +161,11 @@ class PushWorker:
         self.freed = threading.Event()
         self.lock = threading.Lock()
         self.busy = 0
-        self.peak = 0
         self.backoff: dict[str, tuple[float, float]] = {}  # job id -> (look again at, current step)
         self.polls = PollWorkers(queue, poll_threads or min(self.concurrency, POLL_THREADS_MAX),
                                  logging_level)
-        self.idle_calls: list[threading.Thread] = []
         self.work_items: list[tuple[str, Any]] = []
         self.have_work = threading.Condition(self.lock)
-        self.call_threads: list[threading.Thread] = []
 
     # -- call threads ----------------------------------------------------------------------------
 
@@ -194,7 +191,6 @@ class PushWorker:
     def _hand(self, job_id: str, lease: Any) -> None:
         with self.have_work:
             self.busy += 1
-            self.peak = max(self.peak, self.busy)
             self.work_items.append((job_id, lease))
             self.have_work.notify()
 
@@ -296,7 +292,6 @@ class PushWorker:
         for i in range(self.concurrency):
             t = threading.Thread(target=self._call_loop, name=f"bg-call-{i}", daemon=True)
             t.start()
-            self.call_threads.append(t)
         self.polls.start(burst=burst)
         feeder = threading.Thread(target=self.feed, args=(burst,), name="bg-feeder", daemon=True)
         feeder.start()
