@@ -170,6 +170,10 @@ class PushWorker:
     # -- call threads ----------------------------------------------------------------------------
 
     def _call_loop(self) -> None:
+        try:  # this thread's session and clients, built before its first call (not mid-run)
+            dispatch.dispatcher()
+        except Exception:  # noqa: BLE001 - built again at the first call
+            log.exception("worker: could not prepare a call thread")
         while True:
             with self.have_work:
                 while not self.work_items:

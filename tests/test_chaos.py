@@ -156,5 +156,7 @@ def test_redis_restart_platform_outage_boot_404s_and_a_stopped_worker_spend_no_a
     assert dict(platform.paid) == {seq: 1 for seq in range(batches)}  # each batch paid for once
     spent = {seq: int(r["attempt"]) - int(r.get("unspent") or 0) for seq, r in enumerate(records)}
     assert spent == {seq: 1 for seq in range(batches)}, {k: v for k, v in spent.items() if v != 1}
-    assert not [e for e in log if e["event"] in ("batch_failed", "retry_scheduled")]
+    # a lease whose call could not begin while Redis was down expires without spending an attempt
+    assert not [e for e in log if e["event"] == "batch_failed" or (
+        e["event"] == "retry_scheduled" and "no attempt spent" not in e["error"])]
     assert [e for e in log if e["event"] == "target_unavailable"]
