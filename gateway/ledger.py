@@ -39,7 +39,6 @@ ABSENT = object()
 LEASE_PATIENCE_S = 5.0  # how long a lease waits for another caller's planning before "nothing ready"
 PLAN_AHEAD = 16  # batches one plan cuts where the source is cheap to read ahead (Ledger.plan_ahead)
 PLAN_LOCK_MS = 30_000  # one reader of the source per job at a time; the lock expires if it dies
-SPEC_CACHE = 1024  # job specs kept per process (least recently used dropped)
 
 
 @dataclass(frozen=True)
@@ -104,6 +103,7 @@ class Ledger(ControlOps):
         # lease.lua's KEYS and fixed ARGV per (job, stages, lease_ms), built from the cached spec
         self._lease_calls: OrderedDict[tuple, tuple[JobSpec, list[str], list[Any], list[Any]]] = OrderedDict()
         self.plan_ahead = PLAN_AHEAD
+        self.spec_cache = settings.spec_cache  # specs (and lease calls) kept, least recently used dropped
         self._checked = False
 
     def check_digest_agreement(self) -> None:
@@ -136,7 +136,7 @@ class Ledger(ControlOps):
         spec = JobSpec.from_fields(fields)
         with self._specs_lock:
             self._specs[job_id] = spec
-            while len(self._specs) > SPEC_CACHE:
+            while len(self._specs) > self.spec_cache:
                 self._specs.popitem(last=False)
         return spec
 
@@ -261,7 +261,7 @@ class Ledger(ControlOps):
             cached = (spec, keys, fixed, pairs)
             with self._specs_lock:
                 self._lease_calls[cache_key] = cached
-                while len(self._lease_calls) > SPEC_CACHE:
+                while len(self._lease_calls) > self.spec_cache:
                     self._lease_calls.popitem(last=False)
         return cached[1], cached[2], cached[3]
 

@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     idempotency_ttl: timedelta = timedelta(hours=24)
     max_body_bytes: int = 10 * 1024 * 1024
     log_maxlen: int = 10_000
+    spec_cache: int = Field(
+        default=1024, ge=1, le=1_000_000, description="job specs each process keeps in memory "
+        "(least recently used dropped; a spec is its params plus its parsed flow)")
     supervisor_interval: timedelta = timedelta(seconds=1)
     queue_redis_url: SecretStr | None = Field(
         default=None, description="RQ's Redis (push mode); unset = the ledger's Redis")

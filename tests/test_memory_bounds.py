@@ -10,13 +10,15 @@ import sys
 import threading
 
 import gateway.jobs
-import gateway.ledger
+from gateway.ledger import Ledger
+from gateway.settings import Settings
 from gateway.supervisor import Supervisor
 from tests.conftest import drain
 
 
-def test_spec_cache_keeps_the_most_recently_used_specs_only(ledger, make_job, monkeypatch):
-    monkeypatch.setattr(gateway.ledger, "SPEC_CACHE", 3)
+def test_spec_cache_keeps_the_most_recently_used_specs_only(redis_client, make_job, monkeypatch, tmp_path):
+    monkeypatch.setenv("BATCHGATE_SPEC_CACHE", "3")  # how an operator bounds it
+    ledger = Ledger(redis_client, Settings(redis_url="redis://unused", data_dir=tmp_path / "d"))
     ids = [make_job(items=2) for _ in range(6)]
     for job_id in ids:
         ledger.spec(job_id)
@@ -27,7 +29,7 @@ def test_spec_cache_keeps_the_most_recently_used_specs_only(ledger, make_job, mo
 
 
 def test_spec_cache_survives_threads_racing_over_a_small_cache(ledger, make_job, monkeypatch):
-    monkeypatch.setattr(gateway.ledger, "SPEC_CACHE", 2)
+    monkeypatch.setattr(ledger, "spec_cache", 2)
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # threads switch between any two steps of a cache lookup
     ids = [make_job(items=2) for _ in range(5)]

@@ -9,8 +9,14 @@ PUSH_EVERY-th job is a push job whose one stage the worker sends to a tiny sync 
 127.0.0.1. Flows keep finished jobs for RETENTION only, so Redis stays small.
 
 Warm-up: HOLD pull jobs are created and left running for a few supervisor passes, then finished,
-so every process's bounded structures (the 1024-spec LRU above all, which the supervisor fills only
-when that many jobs are active) reach their bound before anything is measured. Afterwards clients
+so every process's bounded structures (the spec LRU above all, which the supervisor fills only when
+that many jobs are active) reach their bound before anything is measured. The processes keep
+SPEC_CACHE (128) specs, not the default 1024: a gunicorn worker fills its LRU only with the jobs its
+own connections bring, and the kernel does not share connections evenly between workers. In one CI
+run a worker that had seen fewer than 1024 jobs when the test settled went on filling its LRU,
+71.6 -> 78.9 MB, up to where its sibling had been from the start (78.7 MB), and failed the test.
+With 128 every process is at the bound within the warm-up, and a cache that keeps every job grows
+just as much as before. Afterwards clients
 wait while MAX_ACTIVE (< HOLD) jobs are unfinished, so a supervisor slowed by a busy machine does not
 gather a bigger backlog than the warm-up's. Every LIST_EVERY jobs, GET /v1/jobs?status=failed walks
 the tenant's job index (pruning the ids of expired jobs) and must find no failed job.
@@ -29,10 +35,10 @@ Why 20,000 jobs catch a per-process cache that keeps every job ever seen (the sp
 it was an LRU): every job carries PARAMS_BYTES of params, so a cached JobSpec costs ~9 KB (the
 params plus its parsed flow). The 16,000 jobs after the warm-up add ~80 MB to every gunicorn worker
 (each serves most jobs' create, lease or complete) and ~150 MB to the supervisor (it reads every
-job's spec), against a settled RSS of 55-90 MB. Run with SPEC_CACHE patched to 10**9 and
-``Ledger.forget`` a no-op in the child processes, this test failed with the supervisor at
-91.2 -> 246.0 MB and the gunicorn workers at 82.5 -> 185.1 and 81.7 -> 188.1 MB; bounded, every
-process ended within 5 % of where it settled.
+job's spec), against a settled RSS of 55-90 MB. Run with SPEC_CACHE set to 10**6, this test
+failed with the gunicorn workers at 92.7 -> 210.9 and 85.8 -> 203.5 MB and the worker at 69.7 ->
+81.8 MB (the supervisor forgets retired jobs; with ``Ledger.forget`` also a no-op, an earlier run
+had it at 91.2 -> 246.0 MB); at 128, every process ended within 5 % of where it settled.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ RECONNECT_EVERY = 25  # a client opens new connections now and then: both gunico
 PARAMS_BYTES = 4096
 RETENTION_S = 3
 TOLERANCE = 1.10
+SPEC_CACHE = 128  # BATCHGATE_SPEC_CACHE in every process: see the module docstring
 PULL_FLOW = {"id": "soak-pull", "version": "1", "batching": {"max_items": 4},
              "source": {"type": "sequence", "count": 3}, "retention": RETENTION_S,
              "stages": [{"name": "work", "lease": 30}]}
@@ -160,6 +167,7 @@ class Stack:
         self.env = procs.child_env(settings, redis_url, {TOKEN: "acme"})
         self.env.update(BATCHGATE_SUPERVISOR_INTERVAL="0.2", BATCHGATE_PUBLIC_URL=self.base,
                         BATCHGATE_OUTBOUND_ALLOW='["127.0.0.1/32"]', BATCHGATE_LOG_LEVEL="WARNING",
+                        BATCHGATE_SPEC_CACHE=str(SPEC_CACHE),
                         MALLOC_ARENA_MAX="2")  # see the module docstring
         self.api = procs.start_api(self.env, "127.0.0.1", self.port, workers=2)
         self.supervisor = procs.start_supervisor(self.env)
