@@ -232,6 +232,9 @@ class PushWorker:
         a job that has ended leaves the fed set."""
         try:
             spec = d.ledger.spec(job_id)
+            if not dispatch.push_stages(spec):  # registered by an older version: nothing to call
+                d.drop_fed(job_id)
+                return None
             stages = d.open_stages(spec)
             lease = d.lease_next(job_id, stages) if stages else None
             if lease is None and d.ledger.r.hget(d.ledger.keys.job(job_id).job, "status") in (*DONE, None):
