@@ -1,4 +1,4 @@
-# batchgate API: gunicorn serving the app factory. Run the supervisor from the same image with
+# batchgate API: `batchgate serve` (gunicorn serving the app factory). Run the supervisor from the same image with
 #   docker run ... batchgate supervisor
 # Point both at a real Redis with BATCHGATE_REDIS_URL and set BATCHGATE_TOKENS.
 FROM python:3.11-slim
@@ -19,4 +19,6 @@ USER batchgate
 EXPOSE 8080
 HEALTHCHECK --interval=15s --timeout=3s --start-period=10s --retries=3 \
   CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=2).status != 200)"
-CMD ["gunicorn", "--bind", "0.0.0.0:8080", "--workers", "2", "--threads", "4", "gateway.app:create_app()"]
+# `batchgate serve`: gunicorn with gateway/gunicorn_conf.py on BATCHGATE_HOST:BATCHGATE_PORT; without
+# BATCHGATE_REDIS_URL it exits 2 at once, saying so, instead of answering 503 to every request
+CMD ["batchgate", "serve"]

@@ -415,8 +415,9 @@ def test_a_target_redirect_to_another_origin_does_not_carry_the_secret(settings,
     answer = json.dumps({"status": "succeeded", "output": {"n": 3}})
     second = serve(ok(answer, "application/json"))
     first = serve(redirect(second.url() + "/moved"))
-    batch, _ = run_first_attempt(settings, redis_client, make_job, ["127.0.0.1/32"], first.url() + "/hook")
-    assert batch["status"] == "completed" and json.loads(batch["out:0"]) == {"n": 3}
+    batch, events = run_first_attempt(settings, redis_client, make_job, ["127.0.0.1/32"],
+                                      first.url() + "/hook")
+    assert batch["status"] == "completed" and json.loads(batch["out:0"]) == {"n": 3}, (batch, events)
     assert first.log[0].headers["x-hook-key"] == SECRET and "batchgate-signature" in first.log[0].headers
     hop = second.log[0]
     assert hop.method == "POST" and json.loads(hop.body)["items"] == [1, 2, 3]
