@@ -265,6 +265,11 @@ class PushWorker:
                 self.stop.wait(pause)
                 pause = min(pause * 2, 5.0)
                 continue
+            except Exception:  # noqa: BLE001 - the feeder must not end while the process lives on
+                log.exception("worker: a feeding pass failed; feeding again in %.1f s", pause)
+                self.stop.wait(pause)
+                pause = min(pause * 2, 5.0)
+                continue
             if burst and not started and self.busy == 0 and not self.backoff_pending():
                 return
             if started:
@@ -304,6 +309,11 @@ class PushWorker:
         feeder.start()
         while feeder.is_alive() and not self.stop.is_set():
             feeder.join(0.2)
+        crashed = not burst and not self.stop.is_set()  # the feeder ended on its own: never expected
+        if crashed:
+            log.error("worker: the feeder thread ended unexpectedly; stopping (exit code 1) so that the "
+                      "process manager starts the worker again")
+            self.request_stop()
         if burst and not self.stop.is_set():
             while self.polls.alive() and not self.stop.is_set():
                 time.sleep(0.1)
@@ -316,4 +326,4 @@ class PushWorker:
             log.warning("%d calls still in flight after the %.0f s grace: they keep their leases",
                         self.busy, self.grace_s)
         self.polls.request_stop()
-        return 0
+        return 1 if crashed else 0

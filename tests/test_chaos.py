@@ -18,11 +18,13 @@ import threading
 import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import redis
 from pydantic import SecretStr
 
+from gateway.dispatch import target_id
 from gateway.embedded import EmbeddedRedis, client_for
 from tests.platforms import respond, serve_on
 from tests.test_worker_concurrency import stack
@@ -93,11 +95,25 @@ def committed(client: redis.Redis, ledger, job_id: str) -> int:
         return -1
 
 
-def wait_for(what, timeout_s: float, message: str) -> None:
+def wait_for(what, timeout_s: float, message: str, why=lambda: "") -> None:
     deadline = time.monotonic() + timeout_s
     while not what():
-        assert time.monotonic() < deadline, message
+        assert time.monotonic() < deadline, f"{message}\n{why()}"
         time.sleep(0.05)
+
+
+def state(s, client: redis.Redis, job_id: str, proc, platform: ChaosPlatform, worker_log: Path) -> str:
+    """What a stalled run looks like: the worker and its log, the target's breaker and slots, the job and
+    the tail of its log."""
+    tid = target_id({"url": platform.url})
+    k = s.ledger.keys
+    tail = [f for _, f in client.xrevrange(k.job(job_id).log, count=15)][::-1]
+    lines = worker_log.read_text(errors="replace").splitlines()[-30:] if worker_log.exists() else []
+    return (f"worker exit code: {proc.poll()}; platform mode {platform.mode}, "
+            f"paid {sum(platform.paid.values())}\nworker log tail:\n" + "\n".join(lines) +
+            f"\nbreaker: {client.hgetall(k.target_breaker(tid))}"
+            f"\nslots: {client.zrange(k.target_slots(tid), 0, -1, withscores=True)}"
+            f"\njob: {s.job(job_id)}\nlog tail: {tail}")
 
 
 def test_redis_restart_platform_outage_boot_404s_and_a_stopped_worker_spend_no_attempt(
@@ -115,7 +131,8 @@ def test_redis_restart_platform_outage_boot_404s_and_a_stopped_worker_spend_no_a
                         "target": {"type": "n8n", "url": platform.url, "mode": "sync", "max_in_flight": 4}}]}
     try:
         with stack(own, client, tmp_path / "data") as s:
-            proc = s.worker(4)
+            worker_log = tmp_path / "worker.log"
+            proc = s.worker(4, log_to=worker_log, BATCHGATE_LOG_LEVEL="INFO")
             assert s.api.post("/v1/flows", json=flow).status_code == 201
             job_id = s.api.post("/v1/jobs", json={"flow_id": "chaos"}).json()["job_id"]
 
@@ -125,8 +142,9 @@ def test_redis_restart_platform_outage_boot_404s_and_a_stopped_worker_spend_no_a
             time.sleep(1)
             server = EmbeddedRedis(tmp_path / "redis")
             assert server.start() == url
+            why = lambda: state(s, client, job_id, proc, platform, worker_log)  # noqa: E731
             wait_for(lambda: committed(client, s.ledger, job_id) >= 40, 60,
-                     "no progress after Redis came back")
+                     "no progress after Redis came back", why)
 
             # 2. the platform refuses connections for 60 s, 3. then boots with 404s for 10 s
             platform.down()
@@ -135,13 +153,14 @@ def test_redis_restart_platform_outage_boot_404s_and_a_stopped_worker_spend_no_a
             platform.boot()
             time.sleep(10)
             platform.up()
-            wait_for(lambda: committed(client, s.ledger, job_id) >= 70, 90, "no progress after the outage")
+            wait_for(lambda: committed(client, s.ledger, job_id) >= 70, 90, "no progress after the outage",
+                     why)
 
             # 4. the worker stopped for a deploy: 3 minutes
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0
             time.sleep(180)
-            s.worker(4)
+            s.worker(4, log_to=worker_log, BATCHGATE_LOG_LEVEL="INFO")
             done = s.wait_done(job_id, 120)
             records = s.batches(job_id, batches)
             log = s.log(job_id)

@@ -176,25 +176,3 @@ def test_a_source_that_breaks_later_is_retried_then_fails_the_job(api):
     assert view["committed_cursor"] == first["end_cursor"]  # the committed batch stays committed
     audit = api.get(f"/v1/jobs/{job_id}/audit").json()["entries"]
     assert audit[-1]["event"] == "job_failed" and audit[-1]["actor"] == "source"
-
-
-def test_workers_are_fed_only_jobs_that_have_push_stages(ledger, make_job, redis_client):
-    """The supervisor kicks every running job on every pass; a pull-only job must not join the set the
-    push workers poll (with 10,000 pull jobs running, every worker would look at each once a second)."""
-    from gateway.dispatch import Dispatcher
-    from gateway.worker import PushWorker
-
-    d = Dispatcher.build(ledger.settings, ledger)
-    pull = make_job(items=4)
-    push = make_job(items=4, stage_defs=[
-        {"name": "call", "target": {"type": "http", "url": "http://127.0.0.1:9/x", "mode": "sync"}}])
-    Supervisor(ledger, dispatcher=d).tick()
-    assert d.fed_jobs() == [push]
-    assert redis_client.lrange(ledger.keys.push_wake, 0, -1) == [push]
-
-    # a pull job an older version registered: a worker's first look drops it, leasing nothing
-    redis_client.sadd(ledger.keys.push_jobs, pull)
-    worker = PushWorker(d.queue, concurrency=1, grace_s=1)
-    assert worker._lease(d, pull) is None
-    assert d.fed_jobs() == [push]
-    assert ledger.job_fields(pull)["status"] == "running" and ledger.lease(pull) is not None

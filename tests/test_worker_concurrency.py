@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -56,10 +57,14 @@ class Stack:
             self.sup.stop.set()
             time.sleep(0.3)  # its current tick ends
 
-    def worker(self, concurrency: int, **env: str) -> subprocess.Popen:
+    def worker(self, concurrency: int, log_to: Path | None = None, **env: str) -> subprocess.Popen:
+        """A `batchgate worker` process; its log goes to ``log_to`` (appended) if given."""
+        out = open(log_to, "ab") if log_to else subprocess.DEVNULL  # noqa: SIM115 (the child keeps it)
         proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "worker", "--concurrency",
                                  str(concurrency)], env={**self.env, **env}, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=out, stderr=out)
+        if log_to:
+            out.close()
         self.procs.append(proc)
         return proc
 
