@@ -96,6 +96,10 @@ class Supervisor:
                 self.ledger.forget(job_id)
             except BatchgateError as exc:  # e.g. its source is unreachable: other jobs go on
                 log.warning("supervisor: job_id=%s skipped this pass: %s", job_id, exc.detail)
+            except REDIS_DOWN:
+                raise  # the whole pass waits for Redis (run)
+            except Exception:  # noqa: BLE001 - one job's surprise must not stop the others' expiry
+                log.exception("supervisor: job_id=%s skipped this pass after an unexpected error", job_id)
 
     def _tick_job(self, job_id: str) -> None:
         job = self.ledger.job_fields(job_id)
@@ -141,6 +145,8 @@ class Supervisor:
                 self._redis_back()
             except REDIS_DOWN as exc:
                 self._redis_down(exc, "tick")
+            except Exception:  # noqa: BLE001 - leases must keep expiring: log it and tick again
+                log.exception("supervisor: a pass failed; ticking again")
             self.stop.wait(interval)
 
     def _redis_down(self, exc: Exception, doing: str) -> None:

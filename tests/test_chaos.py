@@ -113,6 +113,8 @@ def state(s, client: redis.Redis, job_id: str, proc, platform: ChaosPlatform, wo
             f"paid {sum(platform.paid.values())}\nworker log tail:\n" + "\n".join(lines) +
             f"\nbreaker: {client.hgetall(k.target_breaker(tid))}"
             f"\nslots: {client.zrange(k.target_slots(tid), 0, -1, withscores=True)}"
+            f"\nsupervisor alive: {s.sup_thread.is_alive()}; redis time {client.time()}; leases: "
+            f"{client.zrange(k.job(job_id).leases, 0, -1, withscores=True)}"
             f"\njob: {s.job(job_id)}\nlog tail: {tail}")
 
 

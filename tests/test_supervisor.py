@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from datetime import timedelta
 
 import pytest
 
@@ -176,3 +177,44 @@ def test_a_source_that_breaks_later_is_retried_then_fails_the_job(api):
     assert view["committed_cursor"] == first["end_cursor"]  # the committed batch stays committed
     audit = api.get(f"/v1/jobs/{job_id}/audit").json()["entries"]
     assert audit[-1]["event"] == "job_failed" and audit[-1]["actor"] == "source"
+
+
+def test_an_unexpected_error_skips_one_job_and_one_pass_and_expiry_goes_on(ledger, jobs, make_job, caplog,
+                                                                           monkeypatch):
+    """Leases must keep expiring whatever one job or one pass throws: a supervisor that stopped would
+    leave every dead lease holding its job's concurrency forever."""
+    broken, _ = _leased_job(ledger, make_job)
+    fine, _ = _leased_job(ledger, make_job)
+    sup = Supervisor(Ledger(ledger.r, ledger.settings.model_copy(
+        update={"supervisor_interval": timedelta(milliseconds=50)})), name="sup-e")
+    real_expire = sup.ledger.expire_due
+
+    def expire_due(job_id, **kw):
+        if job_id == broken:
+            raise KeyError("surprise")
+        return real_expire(job_id, **kw)
+
+    monkeypatch.setattr(sup.ledger, "expire_due", expire_due)
+    real_tick, passes = sup.tick, []
+
+    def tick():
+        passes.append(1)
+        if len(passes) == 1:
+            raise ValueError("a pass that fails")
+        real_tick()
+
+    monkeypatch.setattr(sup, "tick", tick)
+    monkeypatch.setattr(sup, "recover", lambda: [])  # start-up recovery would expire them itself
+    thread = threading.Thread(target=sup.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(jobs.batches("acme", fine, "pending", -1, 10)) < 3:
+            assert time.monotonic() < deadline and thread.is_alive(), caplog.text[-2000:]
+            time.sleep(0.05)
+    finally:
+        sup.stop.set()
+        thread.join(5)
+    assert [b["seq"] for b in jobs.batches("acme", fine, "pending", -1, 10)] == [0, 1, 2]
+    assert jobs.batches("acme", broken, "pending", -1, 10) == []  # its own error kept it as it was
+    assert "a pass failed" in caplog.text and "skipped this pass after an unexpected error" in caplog.text

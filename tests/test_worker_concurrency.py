@@ -50,7 +50,8 @@ class Stack:
 
     def start_supervisor(self) -> None:
         self.sup = Supervisor(self.ledger, name="wc", dispatcher=Dispatcher.build(self.own, self.ledger))
-        threading.Thread(target=self.sup.run, daemon=True).start()
+        self.sup_thread = threading.Thread(target=self.sup.run, daemon=True)
+        self.sup_thread.start()
 
     def stop_supervisor(self) -> None:
         if self.sup is not None:
