@@ -240,4 +240,8 @@ class RedisListView:
         start, stop, _ = index.indices(len(self))
         if stop <= start:
             return []
+        return self._read(start, stop)
+
+    def _read(self, start: int, stop: int) -> list[Any]:
+        """Items ``start`` to ``stop`` (exclusive, within the list), decoded."""
         return [loads_or_none(v) for v in self._r.lrange(self._key, start, stop - 1)]

@@ -594,15 +594,10 @@ class WindowedListView(RedisListView):
         stop = min(start + max_items + 1, len(self))
         return self._offset <= start and stop <= self._offset + len(self._window)
 
-    def __getitem__(self, index: slice) -> list[Any]:
-        if not isinstance(index, slice):
-            raise TypeError("WindowedListView supports slices only")
-        start, stop, _ = index.indices(len(self))
-        if stop <= start:
-            return []
+    def _read(self, start: int, stop: int) -> list[Any]:
         if self._offset <= start and stop <= self._offset + len(self._window):
             return [loads_or_none(v) for v in self._window[start - self._offset:stop - self._offset]]
-        return super().__getitem__(index)
+        return super()._read(start, stop)
 
 
 @functools.lru_cache(maxsize=4096)
