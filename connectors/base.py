@@ -56,7 +56,7 @@ class PlatformError(Exception):
     def __init__(self, message: str, retry: Retry, *, retry_after_s: float | None = None,
                  status: int | None = None, code: str | None = None,
                  platform_ids: dict[str, str] | None = None, outage: bool = False,
-                 handle: dict[str, Any] | None = None) -> None:
+                 handle: dict[str, Any] | None = None, booting: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.retry = retry
@@ -66,6 +66,9 @@ class PlatformError(Exception):
         self.platform_ids = platform_ids or {}
         #: the target is unavailable (not this call's own failure): cool the target down, spend no attempt
         self.outage = outage
+        #: with ``outage``: the platform answers but is still starting (n8n's "starting up", "Database is
+        #: not ready", a webhook not registered yet): it is coming back, so the gateway probes within seconds
+        self.booting = booting
         #: with UNKNOWN: the poll handle of the run the platform created (``connector.poll`` accepts it), so
         #: the outcome can be learnt by polling rather than by running the flow again; None when no run id
         self.handle = handle

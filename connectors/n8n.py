@@ -21,7 +21,8 @@ Failure classes (observed on n8n 1.82.3 and 2.41.1; docs/n8n-notes.md has the bo
   pauses the job when it lasts. A 404 that names another method ("Did you mean to make a GET request?")
   is ``FATAL``: the target's method is wrong.
 - While n8n boots: 200 "n8n is starting up. Please wait" (text/html, its migrations are running) and
-  503 "Database is not ready!": nothing ran, ``RETRYABLE``, ``outage`` (webhook and API alike).
+  503 "Database is not ready!": nothing ran, ``RETRYABLE``, ``outage`` (webhook and API alike). These
+  and the 404s above are ``booting``: the gateway probes again within 2 s instead of backing off to 30 s.
 - 429: ``RETRYABLE``, ``outage``. 500 "Error in workflow": ``IF_IDEMPOTENT``. 401/403/409: ``FATAL``
   (409 "is running already": ``RETRYABLE``).
 - A poll 404 on an execution id n8n gave: n8n deleted the execution (the instance or workflow does not
@@ -32,14 +33,11 @@ from __future__ import annotations
 
 import base64
 import re
-import socket
-import ssl
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 import requests
-import urllib3.exceptions
 
 from connectors.base import Accepted, Answer, Done, Outcome, PlatformError, Retry, Running, StageCall
 from connectors.targets import TargetChecker, checked
@@ -51,6 +49,7 @@ from connectors.transport import (
     http_error,
     ids,
     json_body,
+    never_sent,
     parse_contract,
     platform_message,
     require_secret,
@@ -184,24 +183,6 @@ def _webhook_auth(call: StageCall, target: dict[str, Any]) -> dict[str, str]:
     return {"Authorization": "Basic " + base64.b64encode(secret.encode()).decode()}
 
 
-def _not_delivered(exc: BaseException | None) -> bool:
-    """Whether a transport failure happened before the request reached n8n (connect, DNS, TLS handshake)."""
-    seen: set[int] = set()
-    stack = [exc]
-    while stack:
-        err = stack.pop()
-        if err is None or id(err) in seen:
-            continue
-        seen.add(id(err))
-        if isinstance(err, (requests.ConnectTimeout, requests.exceptions.SSLError,
-                            urllib3.exceptions.ConnectTimeoutError, urllib3.exceptions.NameResolutionError,
-                            ConnectionRefusedError, socket.gaierror, ssl.SSLError)):
-            return True  # urllib3's NewConnectionError is a ConnectTimeoutError
-        stack.extend([getattr(err, "reason", None), err.__cause__, err.__context__,
-                      *(arg for arg in getattr(err, "args", ()) if isinstance(arg, BaseException))])
-    return False
-
-
 def _transport_error(err: PlatformError, call: StageCall, url: str, *,
                      sent_means_unknown: bool) -> PlatformError:
     """Reclassify a transport failure: not delivered is an outage; delivered without an answer is UNKNOWN.
@@ -214,7 +195,7 @@ def _transport_error(err: PlatformError, call: StageCall, url: str, *,
     if err.retry is Retry.FATAL or cause is None:
         return err
     pids = err.platform_ids
-    if _not_delivered(cause):
+    if never_sent(cause):
         return PlatformError(f"could not reach n8n at {urlsplit(url).netloc}: {type(cause).__name__} "
                              f"(the call was not delivered)", Retry.RETRYABLE, platform_ids=pids, outage=True)
     if not sent_means_unknown:
@@ -235,7 +216,8 @@ def _raise_if_starting_up(resp: requests.Response, body: Any, call: StageCall, u
             resp.status_code == 503 and DB_NOT_READY in text):
         raise PlatformError(f"n8n at {urlsplit(url).netloc} is starting up (HTTP {resp.status_code}: "
                             f"{clip(text, call)}): nothing ran", Retry.RETRYABLE, status=resp.status_code,
-                            retry_after_s=retry_after_s(resp), platform_ids=pids, outage=True)
+                            retry_after_s=retry_after_s(resp), platform_ids=pids, outage=True,
+                            booting=True)
 
 
 def _webhook_error(resp: requests.Response, body: Any, call: StageCall,
@@ -252,7 +234,7 @@ def _webhook_error(resp: requests.Response, body: Any, call: StageCall,
                                    f"method)")
         err = PlatformError(f"n8n has no active webhook at {clip(target['url'], call)}: activate/publish the "
                             f"workflow (n8n answered HTTP 404: {clip(text, call)})", Retry.RETRYABLE,
-                            status=status, platform_ids=pids, outage=True)
+                            status=status, platform_ids=pids, outage=True, booting=True)
         err.retry_after_s = retry_after_s(resp)
         return err
     if status == 500 and "Error in workflow" in text:

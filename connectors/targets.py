@@ -19,9 +19,11 @@ SECRET_NAME = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
 SECRET_VALUE_PREFIXES = ("app-", "pat_", "sat_", "eyJ", "Bearer ", "Basic ")
 """How API keys and tokens of the supported platforms start (Dify app keys, Coze tokens, JWTs)."""
 
-GATEWAY_FIELDS = ("max_in_flight",)
-"""Fields every target may carry for the gateway (calls in flight per endpoint); connectors ignore them."""
+GATEWAY_FIELDS = ("max_in_flight", "keepalive_idle")
+"""Fields every target may carry for the gateway (calls in flight per endpoint; how long an idle pooled
+connection may still be reused, in seconds); connectors ignore them."""
 MAX_IN_FLIGHT_LIMIT = 1000
+KEEPALIVE_IDLE_LIMIT_S = 3600
 
 
 BODY_METHODS = ("POST", "PUT", "PATCH")
@@ -42,6 +44,7 @@ class TargetChecker:
             raise ValueError(f"{kind} target: unknown field(s) {', '.join(unknown)}; "
                              f"known fields: {', '.join(sorted(known))}")
         self._max_in_flight()
+        self._keepalive_idle()
 
     def _max_in_flight(self) -> None:
         value = self.target.get("max_in_flight")
@@ -50,6 +53,16 @@ class TargetChecker:
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_IN_FLIGHT_LIMIT:
             raise self.fail(f"max_in_flight must be a whole number from 1 to {MAX_IN_FLIGHT_LIMIT}")
         self.result["max_in_flight"] = value
+
+    def _keepalive_idle(self) -> None:
+        value = self.target.get("keepalive_idle")
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                0 <= value <= KEEPALIVE_IDLE_LIMIT_S):
+            raise self.fail(f"keepalive_idle must be a number of seconds from 0 to {KEEPALIVE_IDLE_LIMIT_S} "
+                            "(below the platform's keep-alive timeout; 0: a new connection per call)")
+        self.result["keepalive_idle"] = value
 
     def fail(self, message: str) -> ValueError:
         """A ValueError prefixed with the target type."""

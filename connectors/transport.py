@@ -22,6 +22,7 @@ import json
 import logging
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -125,13 +126,37 @@ _CONNECT_FAILURES = (urllib3.exceptions.NewConnectionError, urllib3.exceptions.C
                      urllib3.exceptions.NameResolutionError, socket.gaierror, ConnectionRefusedError)
 
 
+NOT_DELIVERED = "batchgate_not_delivered"
+"""Attribute the gateway's session sets on a transport failure it proved was never read by the peer
+(gateway.keepalive: the peer's TCP acknowledged no byte of the request): ``"reused"`` or ``"fresh"``."""
+
+
+def causes(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and every exception it wraps (``reason``, cause, context, exception arguments), once each."""
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        item = todo.pop()
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        yield item
+        todo.extend([getattr(item, "reason", None), item.__cause__, item.__context__, *item.args])
+
+
+def undelivered_mark(exc: BaseException | None) -> str | None:
+    """The :data:`NOT_DELIVERED` mark on ``exc`` or an exception it wraps, if any."""
+    return next((str(m) for e in causes(exc) if (m := getattr(e, NOT_DELIVERED, None))), None)
+
+
 def never_sent(exc: BaseException) -> bool:
     """Whether a transport failure happened before the request could reach the platform.
 
     True for a connect timeout, a refused connection, a failed name lookup (urllib3's
     ``NewConnectionError`` / ``ConnectTimeoutError`` / ``NameResolutionError`` inside requests'
-    ``ConnectionError``) and a failed TLS handshake; False for anything after the request could have
-    been sent (read timeout, reset, ``RemoteDisconnected``, a broken chunked body), and False when unsure.
+    ``ConnectionError``), a failed TLS handshake, and a failure the gateway's session proved undelivered
+    (:data:`NOT_DELIVERED`); False for anything after the request could have been sent (read timeout,
+    reset, ``RemoteDisconnected``, a broken chunked body), and False when unsure.
     """
     if isinstance(exc, requests.ConnectTimeout):
         return True
@@ -139,19 +164,7 @@ def never_sent(exc: BaseException) -> bool:
     if isinstance(wrapped, urllib3.exceptions.MaxRetryError) and isinstance(
             wrapped.reason, urllib3.exceptions.SSLError):
         return True  # the TLS handshake failed (urlopen wraps it); a TLS error while reading is not wrapped
-    seen: set[int] = set()
-    todo: list[Any] = [exc]
-    while todo:
-        item = todo.pop()
-        if item is None or id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, _CONNECT_FAILURES):
-            return True
-        if isinstance(item, BaseException):
-            todo.extend([getattr(item, "reason", None), item.__cause__, item.__context__,
-                         *[a for a in item.args if isinstance(a, BaseException)]])
-    return False
+    return any(isinstance(e, _CONNECT_FAILURES) or getattr(e, NOT_DELIVERED, None) for e in causes(exc))
 
 
 def _reason(exc: BaseException) -> str:

@@ -50,6 +50,7 @@ from gateway.embedded import client_for
 from gateway.errors import BatchgateError, JobCancelled, NotFound, RunTooLong, StaleLease
 from gateway.flows import Stage
 from gateway.jobspec import JobSpec
+from gateway.keepalive import idle_limit
 from gateway.ledger import ABSENT, Lease, Ledger, idempotency_key
 from gateway.outbound import session_for
 from gateway.records import dumps, loads_or_none
@@ -63,6 +64,9 @@ QUEUE_NAME = "batchgate"
 DEFAULT_TARGET_LIMIT = 8
 #: The first wait before an unavailable target is tried again (it doubles up to outage_cooldown_max).
 OUTAGE_FIRST_COOLDOWN_MS = 1000
+#: The longest wait between probes of a target that answers it is starting (n8n registers its webhooks
+#: 17-99 s after a restart; a probe every 2 s resumes the job within 2 s of that, not up to 30 s later).
+BOOTING_COOLDOWN_MAX_MS = 2000
 #: Longest list of kicked job ids kept for the workers (older kicks add nothing).
 WAKE_LIST_MAX = 1000
 #: Set when this worker process is stopping (SIGTERM): no new pump, and a stage attempt dequeued now
@@ -357,7 +361,8 @@ class Dispatcher:
         try:
             for url in target_urls(stage.target):
                 check_url(url, self.allow)
-            return fn()
+            with idle_limit(stage.target.get("keepalive_idle")):  # never reuse a connection gone stale
+                return fn()
         except UnsafeURL as exc:
             return PlatformError(exc.detail, Retry.FATAL)
         except PlatformError as exc:  # the connector classes it, outage included (429, 503, never sent)
@@ -483,7 +488,7 @@ class Dispatcher:
             keys=[k.job, k.batch(seq), k.leases, k.ready(stage_idx), k.log, k.audit,
                   keys.target_breaker(tid), keys.target_waiting(tid)],
             args=[token, err.message[:500], int((err.retry_after_s or 0) * 1000), OUTAGE_FIRST_COOLDOWN_MS,
-                  int(self.settings.outage_cooldown_max.total_seconds() * 1000),
+                  self._longest_cooldown_ms(err),
                   int(self.settings.outage_pause_after.total_seconds() * 1000), self.settings.log_maxlen,
                   label, spec.job_id])
         if res[0] == "waiting":
@@ -491,6 +496,12 @@ class Dispatcher:
                         label, err.message[:200], spec.job_id, seq, res[1])
         else:
             log.info("outage not recorded job_id=%s seq=%s: %s", spec.job_id, seq, "/".join(map(str, res)))
+
+    def _longest_cooldown_ms(self, err: PlatformError) -> int:
+        """The breaker's longest cooldown: ``outage_cooldown_max``, but at most BOOTING_COOLDOWN_MAX_MS
+        while the platform answers that it is starting (it will take calls in seconds, not minutes)."""
+        longest = int(self.settings.outage_cooldown_max.total_seconds() * 1000)
+        return min(longest, BOOTING_COOLDOWN_MAX_MS) if err.booting else longest
 
     def _target_ok(self, tid: str) -> None:
         """A probe got an answer: close the target's breaker and clear the jobs' waiting reason."""

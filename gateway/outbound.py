@@ -20,6 +20,7 @@ error. Its ``refusal`` attribute says why (no query string, no secrets).
 
 from __future__ import annotations
 
+import logging
 import socket
 import sys
 from http.cookiejar import DefaultCookiePolicy
@@ -34,7 +35,16 @@ from urllib3.exceptions import ConnectTimeoutError, NameResolutionError, NewConn
 from urllib3.util.connection import _set_socket_options
 from urllib3.util.timeout import _DEFAULT_TIMEOUT
 
+from gateway.keepalive import (
+    IdleLimitPoolMixin,
+    ProvenDeliveryMixin,
+    fresh_connections,
+    replayable,
+    undelivered_mark,
+)
 from gateway.urlguard import Allowlist, UnsafeURL, checked_addresses, normal_host
+
+log = logging.getLogger(__name__)
 
 MAX_REDIRECTS = 5
 
@@ -98,11 +108,14 @@ class _GuardedConnectionMixin:
 
 def _pool_classes(allow: Allowlist) -> dict[str, type[HTTPConnectionPool]]:
     """Connection pool classes whose connections are guarded by ``allow``."""
-    http_conn = type("GuardedHTTPConnection", (_GuardedConnectionMixin, HTTPConnection), {"allow": allow})
-    https_conn = type("GuardedHTTPSConnection", (_GuardedConnectionMixin, HTTPSConnection), {"allow": allow})
+    mixins = (_GuardedConnectionMixin, ProvenDeliveryMixin)
+    http_conn = type("GuardedHTTPConnection", (*mixins, HTTPConnection), {"allow": allow})
+    https_conn = type("GuardedHTTPSConnection", (*mixins, HTTPSConnection), {"allow": allow})
     return {
-        "http": type("GuardedHTTPConnectionPool", (HTTPConnectionPool,), {"ConnectionCls": http_conn}),
-        "https": type("GuardedHTTPSConnectionPool", (HTTPSConnectionPool,), {"ConnectionCls": https_conn}),
+        "http": type("GuardedHTTPConnectionPool", (IdleLimitPoolMixin, HTTPConnectionPool),
+                     {"ConnectionCls": http_conn}),
+        "https": type("GuardedHTTPSConnectionPool", (IdleLimitPoolMixin, HTTPSConnectionPool),
+                      {"ConnectionCls": https_conn}),
     }
 
 
@@ -122,11 +135,28 @@ class GuardedAdapter(HTTPAdapter):
 
     def send(self, request: requests.PreparedRequest, stream: bool = False, timeout: Any = None,
              verify: Any = True, cert: Any = None, proxies: Any = None) -> requests.Response:
-        """Send without any proxy (a proxy would connect where the guard cannot see)."""
+        """Send without any proxy (a proxy would connect where the guard cannot see); a request a reused
+        connection provably did not deliver (gateway.keepalive) goes once more on a new connection."""
         try:
-            return super().send(request, stream=stream, timeout=timeout, verify=verify, cert=cert, proxies={})
+            try:
+                return super().send(request, stream=stream, timeout=timeout, verify=verify, cert=cert,
+                                    proxies={})
+            except requests.ConnectionError as exc:
+                if undelivered_mark(exc) != "reused" or not replayable(request.body):
+                    raise
+                log.info("%s %s: the server closed a reused connection before reading the request; "
+                         "sending it once more on a new connection", request.method, _where(request.url))
+            with fresh_connections():
+                return super().send(request, stream=stream, timeout=timeout, verify=verify, cert=cert,
+                                    proxies={})
         except UnsafeURL as exc:
             raise RefusedURL(exc.detail, request=request) from None
+
+
+def _where(url: str | None) -> str:
+    """scheme://host:port of ``url``: no path or query, which may carry a token."""
+    parts = urlsplit(url or "")
+    return f"{parts.scheme}://{parts.hostname}:{parts.port or ''}"
 
 
 def origin(url: str | None) -> tuple[str, str, int | None]:

@@ -43,6 +43,16 @@ class Platform:
         self.server.server_close()
 
 
+def redis_ms(ledger: Ledger) -> int:
+    seconds, micros = ledger.r.time()
+    return seconds * 1000 + micros // 1000
+
+
+def long_outage(ledger: Ledger, breaker: str) -> None:
+    """The breaker as after a minute of failed probes: its wait has doubled six times (to the cap)."""
+    ledger.r.hset(breaker, mapping={"since_ms": redis_ms(ledger) - 60_000, "until_ms": 1, "fails": 6})
+
+
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -140,3 +150,52 @@ def test_503_waits_for_an_idempotent_stage_but_is_may_have_run_for_one_that_is_n
     batch = api.get(f"/v1/jobs/{unsafe}/batches/0").json()
     assert batch["status"] == "failed" and batch["error_type"] == "outcome_unknown", batch
     assert platform.calls == 2
+
+
+def test_a_platform_answering_that_it_is_booting_is_probed_again_within_seconds(push, make_job):
+    """After a long outage (the breaker's wait grown to the 30 s cap), n8n comes back and answers "not
+    registered" while it registers its webhooks: the next probe comes within 2 s, not 30 s, so the job
+    resumes within 2 s of the webhooks being back."""
+    from tests.platforms import FakeN8n
+
+    ledger, d = push
+    d.settings = d.settings.model_copy(update={"outage_cooldown_max": timedelta(seconds=30),
+                                               "outage_pause_after": timedelta(minutes=10)})
+    with FakeN8n(path="score") as n8n:
+        target = {"type": "n8n", "url": n8n.url, "mode": "sync"}
+        job_id = make_job(items=[1, 2], max_items=1, stage_defs=[
+            {"name": "call", "lease": 5, "timeout": 2, "retry": {"maximum_attempts": 1}, "target": target}])
+        breaker = ledger.keys.target_breaker(target_id(target))
+        long_outage(ledger, breaker)
+        n8n.plan("not_registered", "not_registered")
+        assert d.run_ready(job_id) == 1
+        now_ms = redis_ms(ledger)
+        assert int(ledger.r.hget(breaker, "until_ms")) - now_ms <= 2000  # not 30 s
+        deadline = time.monotonic() + 3
+        while int(ledger.r.hget(breaker, "until_ms")) > redis_ms(ledger):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert d.run_ready(job_id, limit=1) == 1  # the second probe: still booting, again <= 2 s out
+        assert int(ledger.r.hget(breaker, "until_ms")) - redis_ms(ledger) <= 2000
+        registered = time.monotonic()
+        while ledger.job_fields(job_id)["status"] == "running":  # now the webhook answers
+            assert time.monotonic() - registered < 4, "the job did not resume within a probe or two"
+            d.run_ready(job_id)
+            time.sleep(0.05)
+    assert ledger.job_fields(job_id)["status"] == "succeeded"
+    assert all(int(ledger.batch_record(job_id, s)["attempt"]) - int(ledger.batch_record(job_id, s).get(
+        "unspent") or 0) == 1 for s in range(2))  # the booting answers cost no attempt
+
+
+def test_a_refused_connection_still_backs_off_to_the_cap(push, make_job):
+    """Nothing answers at all (the platform is down, not booting): the wait keeps doubling to the cap."""
+    ledger, d = push
+    d.settings = d.settings.model_copy(update={"outage_cooldown_max": timedelta(seconds=30),
+                                               "outage_pause_after": timedelta(minutes=10)})
+    port = closed_port()
+    job_id = make_job(items=[1], max_items=1, stage_defs=flow(port))
+    tid = target_id({"url": f"http://127.0.0.1:{port}/"})
+    long_outage(ledger, ledger.keys.target_breaker(tid))
+    assert d.run_ready(job_id) == 1
+    wait_ms = int(ledger.r.hget(ledger.keys.target_breaker(tid), "until_ms")) - redis_ms(ledger)
+    assert 25_000 <= wait_ms <= 30_000
