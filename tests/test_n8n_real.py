@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -64,6 +65,7 @@ PROFILE = {"title": "data engineer", "skills": ["python", "sql", "airflow", "spa
 SKILLS = ["python", "sql", "airflow", "spark", "dbt", "kafka", "go", "react", "k8s", "terraform"]
 RETRY = {"initial_interval": 0.5, "maximum_interval": 5, "maximum_attempts": 5}
 N8N_API_KEY = os.environ.get("BATCHGATE_TEST_N8N_API_KEY", "")
+N8N_START = os.environ.get("BATCHGATE_TEST_N8N_START", "")
 PROBE_PATH = "batchgate-test-probe"
 PROBE_WORKFLOW = {  # answers its execution id (or fails on params.fail) and saves no successful execution
     "name": "batchgate test: probe (created and deleted by tests/test_n8n_real.py)",
@@ -93,134 +95,299 @@ def expected_score(resume: dict) -> int:
     return min(100, skill_part + min(int(resume["years"]), 10) * 3)
 
 
-def make_resumes(count: int) -> list[dict]:
-    rng = random.Random(11)
+def make_resumes(count: int, seed: int = 11) -> list[dict]:
+    rng = random.Random(seed)
     return [{"id": f"r{i:04d}", "name": f"Candidate {i}", "years": rng.randint(0, 15),
              "skills": rng.sample(SKILLS, rng.randint(2, 6))} for i in range(count)]
 
 
-@pytest.fixture(scope="module")
-def n8n() -> str:
-    """The n8n base URL, or skip: n8n absent, or the example workflows not imported and active."""
-    try:
-        requests.get(f"{N8N_URL}/healthz", timeout=3).raise_for_status()
-    except requests.RequestException as exc:
-        pytest.skip(f"no n8n reachable at {N8N_URL} ({type(exc).__name__}); set BATCHGATE_TEST_N8N_URL "
-                    f"or start one (examples/platforms/n8n/README.md)")
+def webhooks_active(base: str) -> str | None:
+    """None when both example webhooks are registered, else why not."""
     for path in WEBHOOKS.values():
         # A GET to a POST-only webhook answers 404 "... Did you mean to make a POST request?" when the
         # workflow is active, and 404 "... is not registered" when it is not: a probe without side effects.
-        resp = requests.get(f"{N8N_URL}/webhook/{path}", timeout=5)
+        try:
+            resp = requests.get(f"{base}/webhook/{path}", timeout=5)
+        except requests.RequestException as exc:
+            return f"no answer ({type(exc).__name__})"
         if "make a POST request" not in resp.text:
-            pytest.skip(f"n8n at {N8N_URL} has no active webhook POST /webhook/{path}: import and activate "
-                        f"examples/platforms/n8n/*.json, then restart n8n "
-                        f"({resp.status_code} {resp.text[:120]})")
-    return N8N_URL
+            return f"no active webhook POST /webhook/{path} ({resp.status_code} {resp.text[:120]})"
+    return None
 
 
-def n8n_flow(base: str, resumes: list[dict]) -> dict:
-    """examples/platforms/n8n/flow.yaml, pointed at ``base``, over this test's resumes, retrying sooner."""
+class N8nProcess:
+    """The n8n this module started from ``BATCHGATE_TEST_N8N_START`` (a command running n8n in the
+    foreground, e.g. a script that sets N8N_USER_FOLDER and runs ``n8n start``), so tests can kill it."""
+
+    def __init__(self, command: str, log_path: Path) -> None:
+        self.command, self.log_path = command, log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, within_s: float = 240) -> float:
+        """Start n8n; seconds until both example webhooks answer as registered."""
+        started = time.monotonic()
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(self.command, shell=True, start_new_session=True, stdout=log,
+                                         stderr=subprocess.STDOUT)
+        while (why := webhooks_active(N8N_URL)) is not None:
+            assert self.proc.poll() is None, f"n8n exited ({self.proc.returncode}); see {self.log_path}"
+            assert time.monotonic() - started < within_s, f"n8n not ready after {within_s} s: {why}"
+            time.sleep(0.2)
+        return time.monotonic() - started
+
+    def kill(self) -> None:
+        """SIGKILL n8n and everything it started (its task runner): a crash, not a shutdown."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                requests.get(f"{N8N_URL}/healthz", timeout=1)
+            except requests.ConnectionError:
+                return
+            time.sleep(0.1)
+
+
+N8N_PROCESS: N8nProcess | None = None
+
+
+@pytest.fixture(scope="module")
+def n8n(tmp_path_factory) -> str:
+    """The n8n base URL, or skip: n8n absent, or the example workflows not imported and active. With
+    ``BATCHGATE_TEST_N8N_START`` and nothing answering, this module starts n8n (and stops it after)."""
+    global N8N_PROCESS
+    try:
+        requests.get(f"{N8N_URL}/healthz", timeout=3).raise_for_status()
+    except requests.RequestException as exc:
+        if not N8N_START:
+            pytest.skip(f"no n8n reachable at {N8N_URL} ({type(exc).__name__}); set BATCHGATE_TEST_N8N_URL, "
+                        f"BATCHGATE_TEST_N8N_START, or start one (examples/platforms/n8n/README.md)")
+        N8N_PROCESS = N8nProcess(N8N_START, tmp_path_factory.mktemp("n8n") / "n8n.log")
+        N8N_PROCESS.start()
+    why = webhooks_active(N8N_URL)
+    if why is not None:
+        pytest.skip(f"n8n at {N8N_URL}: {why}: import and activate examples/platforms/n8n/*.json, then "
+                    f"restart n8n")
+    yield N8N_URL
+    if N8N_PROCESS is not None:
+        N8N_PROCESS.kill()
+        N8N_PROCESS = None
+
+
+def n8n_flow(base: str) -> dict:
+    """examples/platforms/n8n/flow.yaml, pointed at ``base``, retrying sooner; jobs bring their source."""
     text = FLOW_FILE.read_text().replace("http://127.0.0.1:5678", base)
     flow = yaml.safe_load(text)
-    flow.update({"id": "n8n-real", "batching": {"max_items": 5},
-                 "source": {"type": "inline", "items": resumes}})
+    flow.update({"id": "n8n-real", "batching": {"max_items": 5}})
     for stage in flow["stages"]:
         stage["retry"] = RETRY
     assert [s["target"]["url"] for s in flow["stages"]] == [f"{base}/webhook/{p}" for p in WEBHOOKS.values()]
     return flow
 
 
-@pytest.mark.parametrize("by_reference", [False, True], ids=["items-inline", "items-url"])
-def test_push_job_runs_end_to_end_on_real_n8n(n8n, settings, redis_client, tmp_path, by_reference):
-    local_n8n = urlsplit(n8n).hostname in ("127.0.0.1", "localhost")
-    if local_n8n:
-        STORE_DIR.mkdir(parents=True, exist_ok=True)  # the Read/Write Files node does not create folders
-    resumes = make_resumes(40)
-    data = tmp_path / "data"
-    own = settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"], "data_dir": data,
-                                      "supervisor_interval": timedelta(milliseconds=200)})
-    if by_reference:  # every batch is "big": envelopes carry items_url, which the score Code node GETs
-        own = own.model_copy(update={"inline_max_bytes": 64})
-    holder: dict = {}
-    blob_gets: list[str] = []
+class Example:
+    """batchgate driving the example flow on n8n: the API on a socket (n8n posts its callbacks there), a
+    supervisor thread and two `batchgate worker` processes."""
 
-    def app(environ, start_response):  # late-bound: public_url needs the listening port
-        if environ.get("PATH_INFO", "").startswith("/v1/blobs/"):
-            blob_gets.append(environ["PATH_INFO"])
-        return holder["app"](environ, start_response)
+    def __init__(self, n8n: str, settings, redis_client, tmp_path: Path, by_reference: bool = False,
+                 keepalive_idle: float | None = None) -> None:
+        self.n8n, self.tmp_path = n8n, tmp_path
+        self.local = urlsplit(n8n).hostname in ("127.0.0.1", "localhost")
+        if self.local:
+            STORE_DIR.mkdir(parents=True, exist_ok=True)  # the Read/Write Files nodes do not create folders
+        data = tmp_path / "data"
+        own = settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"], "data_dir": data,
+                                          "supervisor_interval": timedelta(milliseconds=200)})
+        if by_reference:  # every batch is "big": envelopes carry items_url, which the score Code node GETs
+            own = own.model_copy(update={"inline_max_bytes": 64})
+        self.blob_gets: list[str] = []
+        holder: dict = {}
 
-    base, stop_api = serve_app(app)  # 127.0.0.1: the callback URLs n8n posts to
-    own = own.model_copy(update={"public_url": base})
-    holder["app"] = create_app(own, redis_client)
-    env = {**os.environ, "BATCHGATE_REDIS_URL": own.redis_url.get_secret_value(),
-           "BATCHGATE_SIGNING_KEY": own.signing_secret().decode(), "BATCHGATE_PUBLIC_URL": base,
-           "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]', "BATCHGATE_LOG_LEVEL": "WARNING",
-           "BATCHGATE_DATA_DIR": str(data), "BATCHGATE_INLINE_MAX_BYTES": str(own.inline_max_bytes)}
-    ledger = Ledger(redis_client, own)
-    sup = Supervisor(ledger, name="n8n-real", dispatcher=Dispatcher.build(own, ledger))
-    threading.Thread(target=sup.run, daemon=True).start()
-    logs = [(tmp_path / f"worker{i}.log").open("w") for i in range(2)]
-    workers = [subprocess.Popen([sys.executable, "-m", "gateway.cli", "worker"], env=env,
-                                start_new_session=True, stdout=log, stderr=subprocess.STDOUT) for log in logs]
-    job_id = None
-    try:
-        api = ApiClient(base, TOKEN)
-        resp = api.post("/v1/flows", json=n8n_flow(n8n, resumes))
+        def app(environ, start_response):  # late-bound: public_url needs the listening port
+            if environ.get("PATH_INFO", "").startswith("/v1/blobs/"):
+                self.blob_gets.append(environ["PATH_INFO"])
+            return holder["app"](environ, start_response)
+
+        base, self.stop_api = serve_app(app)
+        own = own.model_copy(update={"public_url": base})
+        holder["app"] = create_app(own, redis_client)
+        env = {**os.environ, "BATCHGATE_REDIS_URL": own.redis_url.get_secret_value(),
+               "BATCHGATE_SIGNING_KEY": own.signing_secret().decode(), "BATCHGATE_PUBLIC_URL": base,
+               "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]', "BATCHGATE_LOG_LEVEL": "INFO",
+               "BATCHGATE_DATA_DIR": str(data), "BATCHGATE_INLINE_MAX_BYTES": str(own.inline_max_bytes)}
+        ledger = Ledger(redis_client, own)
+        self.sup = Supervisor(ledger, name="n8n-real", dispatcher=Dispatcher.build(own, ledger))
+        threading.Thread(target=self.sup.run, daemon=True).start()
+        self.logs = [(tmp_path / f"worker{i}.log").open("w") for i in range(2)]
+        self.workers = [subprocess.Popen([sys.executable, "-m", "gateway.cli", "worker"], env=env,
+                                         start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+                        for log in self.logs]
+        self.api = ApiClient(base, TOKEN)
+        self.job_ids: list[str] = []
+        flow = n8n_flow(n8n)
+        if keepalive_idle is not None:
+            for stage in flow["stages"]:
+                stage["target"]["keepalive_idle"] = keepalive_idle
+        resp = self.api.post("/v1/flows", json=flow)
         assert resp.status_code == 201, resp.text
-        resp = api.post("/v1/jobs", json={"flow_id": "n8n-real", "params": {"profile": PROFILE}})
-        assert resp.status_code == 201, resp.text
-        job_id = resp.json()["job_id"]
-        deadline = time.monotonic() + 120
-        while (job := api.get(f"/v1/jobs/{job_id}").json())["status"] == "running":
-            assert time.monotonic() < deadline, f"job did not finish: {job}"
-            time.sleep(0.2)
-        log = api.get(f"/v1/jobs/{job_id}/log", params={"limit": 10_000}).json()
-        assert job["status"] == "succeeded", (job, log, worker_logs(tmp_path))
-        assert job["items_done"] == len(resumes)
 
-        batches = api.get(f"/v1/jobs/{job_id}/batches", params={"limit": 1000}).json()["batches"]
-        assert len(batches) == len(resumes) // 5
-        scores: dict[str, int] = {}
-        for summary in batches:
-            detail = api.get(f"/v1/jobs/{job_id}/batches/{summary['seq']}").json()
-            score_out, store_out = (detail["stages"][name]["output"] for name in ("score", "store"))
-            scores.update(score_out["scores"])
-            assert store_out["stored"] == len(score_out["scores"]) == 5, detail
-            assert store_out["idempotency_key"] == f"{job_id}:{summary['seq']}:store"
-        # every resume scored once, by the n8n Code node's formula
-        assert scores == {r["id"]: expected_score(r) for r in resumes}
-
-        # by reference, the score workflow fetched each batch's items from batchgate (store needs none)
-        assert (len(blob_gets) >= len(batches)) if by_reference else not blob_gets
-        callbacks = [e for e in log["entries"] if e.get("event") == "callback_received"]
-        assert len(callbacks) >= len(batches)  # the score answers came back through n8n's HTTP Request node
-
-        if local_n8n:  # the store workflow wrote one record per batch, named by its Idempotency-Key
-            files = sorted(STORE_DIR.glob(f"{job_id}_*_store.json"))
-            assert len(files) == len(batches)
-            stored = {}
-            for path in files:
-                record = json.loads(path.read_text())
-                assert path.name == record["idempotency_key"].replace(":", "_") + ".json"
-                stored.update(record["scores"])
-            assert stored == scores
-    finally:
-        for proc in workers:
+    def close(self) -> None:
+        for proc in self.workers:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)  # the worker and its RQ work-horse
                 proc.wait()
-        for fh in logs:
+        for fh in self.logs:
             fh.close()
-        sup.stop.set()
-        stop_api()
-        if local_n8n and job_id:
-            for path in STORE_DIR.glob(f"{job_id}_*_store.json"):
-                path.unlink(missing_ok=True)
+        self.sup.stop.set()
+        self.stop_api()
+        if self.local:
+            for job_id in self.job_ids:
+                for path in STORE_DIR.glob(f"*{job_id}_*.json"):
+                    path.unlink(missing_ok=True)
+
+    def __enter__(self) -> Example:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self, resumes: list[dict]) -> str:
+        resp = self.api.post("/v1/jobs", json={"flow_id": "n8n-real", "params": {"profile": PROFILE},
+                                               "source": {"type": "inline", "items": resumes}})
+        assert resp.status_code == 201, resp.text
+        self.job_ids.append(resp.json()["job_id"])
+        return self.job_ids[-1]
+
+    def wait(self, job_id: str, timeout_s: float = 120) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while (job := self.api.get(f"/v1/jobs/{job_id}").json())["status"] == "running":
+            assert time.monotonic() < deadline, f"job did not finish: {job}"
+            time.sleep(0.2)
+        return job
+
+    def log(self, job_id: str) -> list[dict]:
+        return self.api.get(f"/v1/jobs/{job_id}/log", params={"limit": 10_000}).json()["entries"]
+
+    def check(self, job_id: str, job: dict, resumes: list[dict]) -> dict[str, int]:
+        """The job succeeded; every resume was scored by the Code node's formula and stored once."""
+        assert job["status"] == "succeeded", (job, self.log(job_id)[-30:], worker_logs(self.tmp_path))
+        assert job["items_done"] == len(resumes)
+        batches = self.api.get(f"/v1/jobs/{job_id}/batches", params={"limit": 1000}).json()["batches"]
+        assert len(batches) == -(-len(resumes) // 5)
+        scores: dict[str, int] = {}
+        for summary in batches:
+            detail = self.api.get(f"/v1/jobs/{job_id}/batches/{summary['seq']}").json()
+            score_out, store_out = (detail["stages"][name]["output"] for name in ("score", "store"))
+            scores.update(score_out["scores"])
+            assert store_out["stored"] == len(score_out["scores"]), detail
+            assert store_out["idempotency_key"] == f"{job_id}:{summary['seq']}:store"
+        assert scores == {r["id"]: expected_score(r) for r in resumes}
+        if self.local:  # the store workflow wrote one record per batch, named by its Idempotency-Key
+            files = sorted(STORE_DIR.glob(f"{job_id}_*_store.json"))
+            assert len(files) == len(batches)
+            stored: dict[str, int] = {}
+            for path in files:
+                record = json.loads(path.read_text())
+                assert path.name == record["idempotency_key"].replace(":", "_") + ".json"
+                assert not set(record["scores"]) & set(stored)  # every item in one record only
+                stored.update(record["scores"])
+            assert stored == scores
+        return scores
+
+
+@pytest.mark.parametrize("by_reference", [False, True], ids=["items-inline", "items-url"])
+def test_push_job_runs_end_to_end_on_real_n8n(n8n, settings, redis_client, tmp_path, by_reference):
+    resumes = make_resumes(40)
+    with Example(n8n, settings, redis_client, tmp_path, by_reference=by_reference) as ex:
+        job_id = ex.start(resumes)
+        job = ex.wait(job_id)
+        ex.check(job_id, job, resumes)
+        batches = -(-len(resumes) // 5)
+        # by reference, the score workflow fetched each batch's items from batchgate (store needs none)
+        assert (len(ex.blob_gets) >= batches) if by_reference else not ex.blob_gets
+        callbacks = [e for e in ex.log(job_id) if e.get("event") == "callback_received"]
+        assert len(callbacks) >= batches  # the score answers came back through n8n's HTTP Request node
+
+
+@pytest.mark.parametrize("keepalive_idle", [None, 30], ids=["default-reuse", "reuse-past-n8n-timeout"])
+def test_the_example_job_succeeds_ten_times_in_a_row(n8n, settings, redis_client, tmp_path, keepalive_idle):
+    """The issue's measure: about one job in nine failed with no fault (a call n8n never read taken for
+    'may have run'). Ten jobs of 100 resumes, one after another on one batchgate: ten succeed. Once as
+    shipped, once with pooled connections reused past n8n's 5 s keep-alive timeout (the race is then
+    left to the delivery proof)."""
+    with Example(n8n, settings, redis_client, tmp_path, keepalive_idle=keepalive_idle) as ex:
+        for run in range(10):
+            resumes = make_resumes(100, seed=run)
+            job_id = ex.start(resumes)
+            ex.check(job_id, ex.wait(job_id, 300), resumes)
+            unknown = [e for e in ex.log(job_id) if "may have" in str(e.get("error", ""))]
+            assert not unknown, unknown[:3]
+
+
+def score_runs(n8n: str, since: str) -> dict[str, list[tuple[str, bool | None]]]:
+    """Score executions since ``since`` by Idempotency-Key: (status, whether the Code node scored afresh:
+    True, answered from the kept answer: False, or never got that far: None). Needs the API key."""
+    api = requests.Session()
+    api.headers["X-N8N-API-KEY"] = N8N_API_KEY
+    runs: dict[str, list[tuple[str, bool | None]]] = {}
+    cursor = None
+    while True:
+        params = {"workflowId": "bgScore0000000001", "includeData": "true", "limit": 100}
+        if cursor:
+            params["cursor"] = cursor
+        page = api.get(f"{n8n}/api/v1/executions", params=params, timeout=30).json()
+        for ex in page["data"]:
+            if ex.get("startedAt", "") < since:
+                continue
+            run_data = ((ex.get("data") or {}).get("resultData") or {}).get("runData") or {}
+            hook = run_data.get("Webhook", [{}])[0].get("data", {}).get("main", [[{}]])[0][0].get("json", {})
+            key = (hook.get("headers") or {}).get("idempotency-key") or (hook.get("body") or {}).get(
+                "idempotency_key")
+            scored = run_data.get("Score resumes", [{}])[0].get("data", {}).get("main", [[{}]])[0]
+            fresh = None if not scored else not scored[0].get("json", {}).get("reused", False)
+            runs.setdefault(str(key), []).append((ex.get("status") or str(ex.get("finished")), fresh))
+        cursor = page.get("nextCursor")
+        if not cursor:
+            return runs
+
+
+def test_the_example_job_survives_a_sigkill_of_n8n(n8n, settings, redis_client, tmp_path):
+    """n8n is SIGKILLed mid-job (calls in flight, score executions running) and started again: the job
+    succeeds, every item is stored once, and no batch whose scoring n8n finished is scored again (the
+    score workflow answers a repeat from the answer it kept). With the API key, n8n's own executions
+    are the witness."""
+    if N8N_PROCESS is None:
+        pytest.skip("set BATCHGATE_TEST_N8N_START (and stop any running n8n) so the test can kill n8n")
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+    resumes = make_resumes(150, seed=99)
+    with Example(n8n, settings, redis_client, tmp_path) as ex:
+        job_id = ex.start(resumes)
+        deadline = time.monotonic() + 60
+        while ex.api.get(f"/v1/jobs/{job_id}").json()["batches"].get("completed", 0) < 6:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        N8N_PROCESS.kill()
+        time.sleep(2)
+        boot_s = N8N_PROCESS.start()
+        job = ex.wait(job_id, 400)
+        ex.check(job_id, job, resumes)
+        log = ex.log(job_id)
+    print(f"n8n webhooks back {boot_s:.0f} s after start; job log events:",
+          dict(Counter(e.get("event") for e in log)))
+    if N8N_API_KEY:
+        runs = score_runs(n8n, since)
+        ours = {k: v for k, v in runs.items() if k.startswith(job_id)}
+        assert len(ours) == -(-len(resumes) // 5)
+        for key, key_runs in ours.items():
+            fresh = [r for r in key_runs if r[1]]
+            # scored afresh at most once, unless an earlier scoring was cut off by the kill
+            assert len(fresh) <= 1 or any(status not in ("success", "True") for status, _ in key_runs), (
+                key, key_runs)
 
 
 def worker_logs(folder: Path) -> str:
-    return "\n".join(p.read_text()[-2000:] for p in sorted(folder.glob("worker*.log")))
-
+    return "\n".join(p.read_text()[-3000:] for p in sorted(folder.glob("worker*.log")))
 
 
 def wait_registered(url: str, registered: bool = True, within_s: float = 15) -> float:
@@ -332,6 +499,8 @@ def test_score_callback_outlives_a_restart_of_batchgate(n8n):
                 "idempotency_key": "job_restart:0:score", "cursor": None, "items_url": None, "input": None,
                 "items": [{"id": "r1", "years": 12, "skills": ["python", "sql"]}],
                 "params": {"profile": PROFILE}, "callback_url": f"http://127.0.0.1:{port}/v1/callbacks/t"}
+    kept = STORE_DIR / "score-job_restart_0_score.json"  # the answer the workflow keeps for this key
+    kept.unlink(missing_ok=True)
     started = time.monotonic()
     resp = requests.post(f"{n8n}/webhook/{WEBHOOKS['score']}", json=envelope, timeout=10)
     assert resp.status_code == 200 and resp.json() == {"message": "Workflow was started"}, resp.text
@@ -347,6 +516,7 @@ def test_score_callback_outlives_a_restart_of_batchgate(n8n):
     finally:
         server.shutdown()
         server.server_close()
+    kept.unlink(missing_ok=True)
     at, body = received[0]
     assert body == {"status": "succeeded", "output": {"scores": {"r1": expected_score(envelope["items"][0])}}}
     assert 12 <= at - started <= 22 and len(received) == 1
