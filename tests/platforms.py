@@ -75,8 +75,10 @@ class Reply:
         self.handler.wfile.write(body)
 
     def sse_open(self) -> None:
+        # the stream's connection is closed after it, and said so: without "Connection: close" a client
+        # reuses it for its next request, which the closing server never reads (RemoteDisconnected)
         self._head(200, {"Content-Type": "text/event-stream", "Transfer-Encoding": "chunked",
-                         "Cache-Control": "no-cache"})
+                         "Cache-Control": "no-cache", "Connection": "close"})
         self.handler.close_connection = True
 
     def sse(self, frame: str) -> None:
