@@ -268,6 +268,21 @@ def test_a_connection_closed_before_the_request_was_read_is_an_outage_not_may_ha
     assert info.value.outage and info.value.retry is Retry.RETRYABLE, info.value.message
 
 
+@needs_tcp_info
+def test_a_server_that_stops_with_the_call_in_its_accept_queue_ran_nothing():
+    """The platform stops (its listening socket closes) while the call waits in its accept queue: the
+    kernel acknowledged the request, no process ever read it, and the connection is reset. Before, that
+    was 'may have run' (a chaos run failed a batch outcome_unknown this way); now it is an outage."""
+    srv = socket.create_server(("127.0.0.1", 0), backlog=8)
+    port = srv.getsockname()[1]
+    target = {"type": "http", "url": f"http://127.0.0.1:{port}/hook", "mode": "sync"}
+    session = guarded_session(Allowlist.parse(["127.0.0.1/32"]))
+    threading.Timer(0.3, srv.close).start()  # never accepted: the platform stops
+    with pytest.raises(PlatformError) as info:
+        get_connector("http").trigger(call(target), session)
+    assert info.value.outage and info.value.retry is Retry.RETRYABLE, info.value.message
+
+
 # -- the idle limit --------------------------------------------------------------------------------
 
 def test_a_pooled_connection_idle_past_the_target_limit_is_not_reused():
