@@ -121,7 +121,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         else:
             redis_url = settings.redis_url.get_secret_value()
         tokens = settings.token_map()
-        if not tokens:
+        if not settings.tokens:
             tokens = {procs.dev_token(settings.data_dir): "default"}
             print(f"batchgate: no BATCHGATE_TOKENS set; a development token for tenant 'default' is "
                   f"in {(settings.data_dir / procs.TOKEN_FILE).resolve()}")
@@ -168,8 +168,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run gunicorn in the foreground (the Dockerfile's command); exits 2 if it has no Redis."""
+    from gateway import procs
+
     settings = Settings()
     connect(settings)[0].close()  # NoLedgerRedis now, not once per gunicorn worker
+    if not settings.token_map():  # as `up` does: beside it, the same data folder gives the same token
+        procs.dev_token(settings.data_dir)
+        print(f"batchgate: no BATCHGATE_TOKENS set; a development token for tenant 'default' is in "
+              f"{(settings.data_dir / procs.TOKEN_FILE).resolve()}", file=sys.stderr)
     port = args.port or settings.port
     # gateway/gunicorn_conf.py: workers give the port back at once if this master is SIGKILLed, so
     # `serve` can be started again right away

@@ -49,7 +49,7 @@ class Client:
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Attach ``jobs`` and ``flows`` to the top-level parser."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", default=None, help="gateway URL (default http://HOST:PORT from settings)")
+    common.add_argument("--url", default=None, help="gateway URL (default BATCHGATE_PUBLIC_URL, else http://HOST:PORT)")
     common.add_argument("--token", default=None, help="bearer token (default $BATCHGATE_TOKEN)")
 
     jobs = sub.add_parser("jobs", help="list, show, pause, resume, cancel, release jobs")
@@ -95,7 +95,7 @@ def default_token(settings: Settings) -> str | None:
 
 def client_from(args: argparse.Namespace) -> Client:
     settings = Settings()
-    url = args.url or f"http://{settings.host}:{settings.port}"
+    url = args.url or settings.base_url()  # BATCHGATE_PUBLIC_URL, else http://HOST:PORT
     return Client(url, args.token or default_token(settings))
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import requests
 
-from gateway.settings import CREDENTIAL_FIELDS, Settings, write_config_file
+from gateway.settings import CREDENTIAL_FIELDS, DEV_TOKEN_FILE, Settings, write_config_file
 
-TOKEN_FILE = "dev-token"
+TOKEN_FILE = DEV_TOKEN_FILE
 CONFIG_FILE_PREFIX = "child-config-"  # + keyed hash of the content + .json, in the data dir
 INSTANCE_ENV = "BATCHGATE_INSTANCE_ID"  # /healthz echoes it: `up` knows its own API answered
 

@@ -10,12 +10,14 @@ from pathlib import Path
 from secrets import token_urlsafe
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: The secrets tenant whose entries every tenant may name (a tenant's own entry of the same name wins).
 SHARED = "*"
 #: Settings that hold credentials: never passed to a child process in its environment (see procs.child_env).
+#: The development token's file under data_dir (mode 0600), used when BATCHGATE_TOKENS is unset.
+DEV_TOKEN_FILE = "dev-token"
 CREDENTIAL_FIELDS = ("tokens", "secrets", "signing_key", "redis_url", "queue_redis_url")
 FLAT_SECRETS = (
     "BATCHGATE_SECRETS maps tenant -> {{secret name: value}}, but these entries hold a value directly: "
@@ -26,6 +28,8 @@ FLAT_SECRETS = (
 
 class Settings(BaseSettings):
     """Everything batchgate reads from its environment (prefix ``BATCHGATE_``)."""
+
+    _dev_tokens: dict[str, str] | None = PrivateAttr(default=None)
 
     # hide_input_in_errors: a validation error must not echo a token, secret or key it was given
     model_config = SettingsConfigDict(env_prefix="BATCHGATE_", extra="ignore", hide_input_in_errors=True)
@@ -179,8 +183,19 @@ class Settings(BaseSettings):
         return read_config_file(Path(self.config_file)) if self.config_file else {}
 
     def token_map(self) -> dict[str, str]:
-        """Bearer tokens mapped to tenant names."""
-        return dict(self.tokens)
+        """Bearer tokens mapped to tenant names: ``tokens``, else the development token that ``up`` or
+        ``serve`` keeps in ``data_dir`` (tenant ``default``), so every process on one data folder takes
+        the same token; empty when neither exists."""
+        if self.tokens:
+            return dict(self.tokens)
+        if self._dev_tokens is None:
+            path = Path(self.data_dir) / DEV_TOKEN_FILE
+            try:
+                token = path.read_text().strip()
+            except OSError:
+                return {}  # not created yet: looked for again on the next request
+            self._dev_tokens = {token: "default"} if token else {}
+        return dict(self._dev_tokens)
 
     def base_url(self) -> str:
         """Where platforms reach this gateway."""

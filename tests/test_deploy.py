@@ -182,6 +182,39 @@ def test_serve_and_worker_join_the_redis_of_a_running_up(tmp_path):
     assert not (data / "redis.json").exists()
 
 
+def test_serve_beside_up_takes_ups_development_token_and_the_cli_uses_the_public_url(tmp_path):
+    """No BATCHGATE_TOKENS: `up` keeps a development token in its data folder; a `serve` started beside it
+    on the same folder takes that token too (it answered 401), and the CLI's job commands go to
+    BATCHGATE_PUBLIC_URL (they went to HOST:PORT)."""
+    data = tmp_path / "data"
+    up_port, serve_port = free_port(), free_port()
+    env = {k: v for k, v in bg_env(data).items() if k != "BATCHGATE_TOKENS"}
+    up = Proc(tmp_path, "up", ["up", "--port", str(up_port)], env)
+    serve = None
+    try:
+        up.wait_healthy(up_port)
+        token = (data / "dev-token").read_text().strip()
+        serve = Proc(tmp_path, "serve", ["serve", "--port", str(serve_port), "--workers", "1"], env)
+        serve.wait_healthy(serve_port)
+        auth = {"Authorization": f"Bearer {token}"}
+        for port in (up_port, serve_port):
+            resp = requests.get(f"http://127.0.0.1:{port}/v1/flows", headers=auth, timeout=5)
+            assert resp.status_code == 200, (port, resp.text)
+            resp = requests.get(f"http://127.0.0.1:{port}/v1/flows", headers={"Authorization": "Bearer x"},
+                                timeout=5)
+            assert resp.status_code == 401
+        # BATCHGATE_PORT points nowhere; the public URL is the serve process: the CLI must use it
+        cli_env = {**env, "BATCHGATE_PORT": str(free_port()),
+                   "BATCHGATE_PUBLIC_URL": f"http://127.0.0.1:{serve_port}"}
+        result = run(tmp_path, cli_env, "jobs", "list")
+        assert result.returncode == 0, result.stderr
+    finally:
+        if serve is not None:
+            assert serve.stop() == 0, serve.output()
+        assert up.stop() == 0, up.output()
+    assert leftovers(data) == {}
+
+
 def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path):
     data = tmp_path / "data"
     with socket.socket() as taken:
