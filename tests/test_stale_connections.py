@@ -153,53 +153,31 @@ def fin_unseen(monkeypatch):
 
 # -- the proof -------------------------------------------------------------------------------------
 
-def pair(srv: socket.socket) -> tuple[socket.socket, socket.socket]:
-    client = socket.create_connection(srv.getsockname())
-    peer, _ = srv.accept()
-    return client, peer
+REQUEST = b"POST /hook HTTP/1.1\r\nContent-Length: 0\r\n\r\n"
 
 
 @needs_tcp_info
-def test_the_delivery_verdict_reads_what_the_peers_tcp_did_with_the_request():
+@pytest.mark.parametrize("steps,acked,not_read", [
+    (("close", "write"), False, True),  # the peer closed before the request came: reset, not a byte acked
+    (("write", "read", "close"), True, False),  # read, then closed (a crash mid-call): FIN after the bytes
+    (("write", "close"), True, True),   # its kernel took the bytes, the application closed unread: reset
+    (("write", "read"), True, False),   # still working on it (what a read timeout sees)
+], ids=["closed-before", "read-then-closed", "closed-unread", "still-working"])
+def test_the_delivery_verdict_reads_what_the_peers_tcp_did_with_the_request(steps, acked, not_read):
     with socket.create_server(("127.0.0.1", 0)) as srv:
-        # the peer closed before the request was written: reset, not a byte acknowledged -> not read
-        client, peer = pair(srv)
-        peer.close()
-        time.sleep(0.02)
+        client = socket.create_connection(srv.getsockname())
+        peer, _ = srv.accept()
         before = tcp_state(client)
-        client.sendall(b"POST / HTTP/1.1\r\n\r\n")
-        assert delivery_verdict(before, client) is True
-        client.close()
-
-        # the peer read the request, then closed (a crash mid-call): FIN after the bytes -> may have run
-        client, peer = pair(srv)
-        before = tcp_state(client)
-        client.sendall(b"POST / HTTP/1.1\r\n\r\n")
-        assert peer.recv(100)
-        peer.close()
-        time.sleep(0.02)
-        assert delivery_verdict(before, client) is False
-        client.close()
-
-        # the peer's kernel took the bytes, its application closed without reading them: a reset, no
-        # FIN -> not read
-        client, peer = pair(srv)
-        before = tcp_state(client)
-        client.sendall(b"POST / HTTP/1.1\r\n\r\n")
-        time.sleep(0.02)
-        assert tcp_state(client).acked > before.acked
-        peer.close()
-        time.sleep(0.02)
-        assert delivery_verdict(before, client) is True
-        client.close()
-
-        # the peer is still working on it (a read timeout): may have run
-        client, peer = pair(srv)
-        before = tcp_state(client)
-        client.sendall(b"POST / HTTP/1.1\r\n\r\n")
-        assert peer.recv(100)
-        time.sleep(0.02)
-        assert delivery_verdict(before, client) is False
+        for step in steps:
+            if step == "close":
+                peer.close()
+            elif step == "write":
+                client.sendall(REQUEST)
+            else:
+                assert peer.recv(100) == REQUEST
+            time.sleep(0.02)
+        assert (tcp_state(client).acked > before.acked) is acked
+        assert delivery_verdict(before, client) is not_read
         client.close()
         peer.close()
 
@@ -285,24 +263,24 @@ def test_a_server_that_stops_with_the_call_in_its_accept_queue_ran_nothing():
 
 # -- the idle limit --------------------------------------------------------------------------------
 
+def connections_used(platform: KeepAlivePlatform, limit: float, calls: int, pause_s: float) -> int:
+    """Connections one session opened for ``calls`` posts ``pause_s`` apart under ``idle_limit(limit)``."""
+    session = guarded_session(Allowlist.parse(["127.0.0.1/32"]))
+    before = platform.connections
+    with idle_limit(limit):
+        for n in range(calls):
+            session.post(platform.url, data=b"{}", headers={"Idempotency-Key": f"k{n}"}, timeout=5)
+            time.sleep(pause_s)
+    session.close()
+    return platform.connections - before
+
+
 def test_a_pooled_connection_idle_past_the_target_limit_is_not_reused():
     platform = KeepAlivePlatform()
-    session = guarded_session(Allowlist.parse(["127.0.0.1/32"]))
     try:
-        with idle_limit(5.0):
-            for _ in range(3):
-                session.post(platform.url, data=b"{}", headers={"Idempotency-Key": "a"}, timeout=5)
-                time.sleep(0.3)
-        assert platform.connections == 1  # idle 0.3 s < 5 s: one connection reused
-        with idle_limit(0.2):
-            for _ in range(3):
-                session.post(platform.url, data=b"{}", headers={"Idempotency-Key": "b"}, timeout=5)
-                time.sleep(0.3)
-        assert platform.connections == 4  # idle 0.3 s > 0.2 s: a new connection each time
-        with idle_limit(0):
-            session.post(platform.url, data=b"{}", headers={"Idempotency-Key": "c"}, timeout=5)
-            session.post(platform.url, data=b"{}", headers={"Idempotency-Key": "c"}, timeout=5)
-        assert platform.connections == 6  # 0: never reused
+        assert connections_used(platform, 5.0, 3, 0.3) == 1  # idle 0.3 s < 5 s: one connection reused
+        assert connections_used(platform, 0.2, 3, 0.3) == 3  # idle 0.3 s > 0.2 s: a new one each time
+        assert connections_used(platform, 0, 2, 0.0) == 2  # 0: never reused
     finally:
         platform.close()
 
@@ -311,15 +289,10 @@ def test_the_servers_keep_alive_hint_shortens_the_limit():
     """A server that says ``Keep-Alive: timeout=1`` closes idle connections after 1 s: batchgate reuses
     a connection only within that hint less a second, whatever the target allows."""
     platform = KeepAlivePlatform(hint=1)
-    session = guarded_session(Allowlist.parse(["127.0.0.1/32"]))
     try:
-        with idle_limit(30.0):
-            for _ in range(3):
-                session.post(platform.url, data=b"{}", headers={"Idempotency-Key": "a"}, timeout=5)
-                time.sleep(0.05)
+        assert connections_used(platform, 30.0, 3, 0.05) == 3
     finally:
         platform.close()
-    assert platform.connections == 3
 
 
 def test_keepalive_idle_is_checked_when_the_flow_is_registered(api):
