@@ -19,6 +19,6 @@ USER batchgate
 EXPOSE 8080
 HEALTHCHECK --interval=15s --timeout=3s --start-period=10s --retries=3 \
   CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=2).status != 200)"
-# `batchgate serve`: gunicorn with gateway/gunicorn_conf.py on BATCHGATE_HOST:BATCHGATE_PORT; without
+# `batchgate serve`: gunicorn with gateway/runtime/gunicorn_conf.py on BATCHGATE_HOST:BATCHGATE_PORT; without
 # BATCHGATE_REDIS_URL it exits 2 at once, saying so, instead of answering 503 to every request
 CMD ["batchgate", "serve"]

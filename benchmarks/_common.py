@@ -11,10 +11,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.embedded import EmbeddedRedis, client_for  # noqa: E402
-from gateway.flows import FlowRegistry, parse_flow  # noqa: E402
-from gateway.jobs import JobRequest, JobService  # noqa: E402
-from gateway.ledger import Ledger  # noqa: E402
+from gateway.ledger.embedded import EmbeddedRedis, client_for  # noqa: E402
+from gateway.ledger.flows import FlowRegistry, parse_flow  # noqa: E402
+from gateway.ledger.jobs import JobRequest, JobService  # noqa: E402
+from gateway.ledger.ledger import Ledger  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
 
 

@@ -28,10 +28,10 @@ from _common import ledger_on_private_redis
 from pydantic import SecretStr
 from werkzeug.serving import make_server
 
-from gateway.app import create_app
-from gateway.dispatch import Dispatcher
-from gateway.flows import parse_flow
-from gateway.jobs import JobRequest
+from gateway.api.app import create_app
+from gateway.push.dispatch import Dispatcher
+from gateway.ledger.flows import parse_flow
+from gateway.ledger.jobs import JobRequest
 
 TOKEN = "t-bench-0123456789"
 
@@ -116,7 +116,7 @@ def main() -> None:
                                        "target": {"type": "http", "url": platform.url, "mode": "callback",
                                                   "max_in_flight": 64}}]})
         service.flows.register("bench", flow)
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "worker", "--concurrency", "64"],
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.runtime.cli", "worker", "--concurrency", "64"],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(3)
         threads = len(os.listdir(f"/proc/{proc.pid}/task"))

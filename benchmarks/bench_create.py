@@ -12,8 +12,8 @@ import time
 
 from _common import ledger_on_private_redis
 
-from gateway.flows import parse_flow
-from gateway.jobs import JobRequest
+from gateway.ledger.flows import parse_flow
+from gateway.ledger.jobs import JobRequest
 
 RUNS = 50
 

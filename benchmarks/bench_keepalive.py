@@ -1,4 +1,4 @@
-"""What the stale-connection guard costs per call (gateway/keepalive.py).
+"""What the stale-connection guard costs per call (gateway/net/keepalive.py).
 
 Sends POSTs to a local no-op platform, one after another, through three sessions in the same run:
 a plain ``requests.Session`` (the baseline), the guarded session with connections reused (the delivery
@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _noop_platform  # noqa: E402
 
-from gateway.keepalive import idle_limit  # noqa: E402
-from gateway.outbound import guarded_session  # noqa: E402
-from gateway.urlguard import Allowlist  # noqa: E402
+from gateway.net.keepalive import idle_limit  # noqa: E402
+from gateway.net.outbound import guarded_session  # noqa: E402
+from gateway.net.urlguard import Allowlist  # noqa: E402
 
 BODY = b'{"job_id":"job_bench","seq":1,"stage":"score","items":[1,2,3]}'
 

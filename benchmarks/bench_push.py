@@ -24,9 +24,9 @@ from _noop_platform import start as start_platform
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from gateway.dispatch import Dispatcher
-from gateway.flows import parse_flow
-from gateway.jobs import JobRequest
+from gateway.push.dispatch import Dispatcher
+from gateway.ledger.flows import parse_flow
+from gateway.ledger.jobs import JobRequest
 
 HERE = Path(__file__).resolve().parent
 
@@ -40,7 +40,7 @@ def workers(env: dict[str, str], count: int, bare: bool) -> list[subprocess.Pope
                 % (str(HERE), env["BATCHGATE_REDIS_URL"]))
         cmd = [sys.executable, "-c", code]
     else:
-        cmd = [sys.executable, "-m", "gateway.cli", "worker", "--concurrency", env["BENCH_CONCURRENCY"]]
+        cmd = [sys.executable, "-m", "gateway.runtime.cli", "worker", "--concurrency", env["BENCH_CONCURRENCY"]]
     return [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for _ in range(count)]
 

@@ -21,9 +21,9 @@ import time
 
 from _common import ledger_on_private_redis
 
-from gateway.dispatch import Dispatcher
-from gateway.flows import parse_flow
-from gateway.jobs import JobRequest
+from gateway.push.dispatch import Dispatcher
+from gateway.ledger.flows import parse_flow
+from gateway.ledger.jobs import JobRequest
 from tests.platforms import SlowSyncPlatform
 
 
@@ -53,7 +53,7 @@ def run(service, env, platform: SlowSyncPlatform, batches: int, concurrency: int
                                               "max_in_flight": concurrency}}]})
     service.flows.register("bench", flow)
     ledger = service.ledger
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "worker",
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.runtime.cli", "worker",
                              "--concurrency", str(concurrency)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(3)  # let the worker boot

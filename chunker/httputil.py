@@ -1,7 +1,7 @@
 """HTTP helpers: GET with error classification, and URLs that are safe to show.
 
 Readers send every request through the session they are given: a server passes one that guards
-outbound addresses and redirects (gateway.outbound); standalone use gets a plain requests.Session.
+outbound addresses and redirects (gateway.net.outbound); standalone use gets a plain requests.Session.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def request_error(exc: requests.RequestException, url: str) -> SourceReadError:
     """Converts a requests exception to SourceReadError without echoing the query string.
 
     An exception with a string ``refusal`` attribute (a caller's outbound guard refused the address,
-    see gateway.outbound) is a non-retryable error that gives the reason.
+    see gateway.net.outbound) is a non-retryable error that gives the reason.
     """
     refusal = getattr(exc, "refusal", None)
     if isinstance(refusal, str):

@@ -11,7 +11,7 @@ request can have reached the platform:
 
 :func:`http_error` classes HTTP error answers the same way (``classify_http``). Messages built here are
 clipped and scrubbed of the call's secret values.
-The gateway passes a guarded session (gateway.outbound): it checks the address of every connection and
+The gateway passes a guarded session (gateway.net.outbound): it checks the address of every connection and
 redirect hop, and drops the auth and signature headers when a redirect changes the origin; an address it
 refuses, or too many redirects, is ``PlatformError(FATAL)``.
 """
@@ -128,7 +128,7 @@ _CONNECT_FAILURES = (urllib3.exceptions.NewConnectionError, urllib3.exceptions.C
 
 NOT_DELIVERED = "batchgate_not_delivered"
 """Attribute the gateway's session sets on a transport failure it proved was never read by the peer
-(gateway.keepalive: the peer's TCP acknowledged no byte of the request): ``"reused"`` or ``"fresh"``."""
+(gateway.net.keepalive: the peer's TCP acknowledged no byte of the request): ``"reused"`` or ``"fresh"``."""
 
 
 def causes(exc: BaseException | None) -> Iterator[BaseException]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.embedded import EmbeddedRedis, client_for
-from gateway.ledger import Ledger
+from gateway.ledger.embedded import EmbeddedRedis, client_for
+from gateway.ledger.ledger import Ledger
 from gateway.settings import Settings
 
 TOKEN = "t-acme-0123456789"
@@ -42,14 +42,14 @@ def ledger(redis_client, settings):
 
 @pytest.fixture
 def registry(ledger, redis_client):
-    from gateway.flows import FlowRegistry
+    from gateway.ledger.flows import FlowRegistry
 
     return FlowRegistry(redis_client, ledger.keys)
 
 
 @pytest.fixture
 def jobs(ledger, registry):
-    from gateway.jobs import JobService
+    from gateway.ledger.jobs import JobService
 
     return JobService(ledger, registry)
 
@@ -57,8 +57,8 @@ def jobs(ledger, registry):
 @pytest.fixture
 def make_job(registry, jobs):
     """Register a flow and start a job over ``items`` (a list, or an int for a sequence)."""
-    from gateway.flows import parse_flow
-    from gateway.jobs import JobRequest
+    from gateway.ledger.flows import parse_flow
+    from gateway.ledger.jobs import JobRequest
 
     counter = iter(range(1_000_000))
 
@@ -86,7 +86,7 @@ def drain(ledger, job_id, output=lambda lease: {"n": len(lease.items or [])}):
 @pytest.fixture
 def api(settings, redis_client):
     """The gateway app on a real socket (werkzeug, threaded); yields an ApiClient."""
-    from gateway.app import create_app
+    from gateway.api.app import create_app
     from tests.http import ApiClient, serve_app
 
     base, stop = serve_app(create_app(settings, redis_client))

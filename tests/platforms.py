@@ -534,10 +534,13 @@ class SlowSyncPlatform:
                     outer.peak = max(outer.peak, outer.in_flight)
                 try:
                     time.sleep(outer.delay)
-                    respond(self, 200, {"status": "succeeded", "output": {"n": len(body["items"])}})
                 finally:
+                    # done before the answer is written: the caller can only start its next call once it
+                    # has the answer, so counting down after the write let a loaded machine see one more
+                    # "in flight" than batchgate ever had (the next call arrived before this thread ran on)
                     with outer.lock:
                         outer.in_flight -= 1
+                respond(self, 200, {"status": "succeeded", "output": {"n": len(body["items"])}})
 
         ThreadingHTTPServer.request_queue_size = 256
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -11,8 +11,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gateway.idempotency import IdempotencyStore, fingerprint
-from gateway.keys import Keys
+from gateway.api.idempotency import IdempotencyStore, fingerprint
+from gateway.ledger.keys import Keys
 from tests.conftest import OTHER_TOKEN, TOKEN
 from tests.http import ApiClient, serve_app
 
@@ -89,7 +89,7 @@ def assert_problem(resp, status, type_suffix=None) -> dict:
 
 def serve(settings, redis_client):
     """The app with ``settings`` on a real socket; returns (base url, stop function)."""
-    from gateway.app import create_app
+    from gateway.api.app import create_app
 
     return serve_app(create_app(settings, redis_client))
 

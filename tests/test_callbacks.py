@@ -7,8 +7,8 @@ import time
 import pytest
 
 from connectors.base import verify_signature
-from gateway.dispatch import Dispatcher
-from gateway.ledger import Ledger
+from gateway.push.dispatch import Dispatcher
+from gateway.ledger.ledger import Ledger
 from gateway.security import sign
 from tests.platforms import FakeHttpPlatform
 
@@ -29,7 +29,7 @@ def push(settings, redis_client):
 
 @pytest.fixture
 def api_push(settings, redis_client, monkeypatch):
-    from gateway.app import create_app
+    from gateway.api.app import create_app
     from tests.conftest import TOKEN
     from tests.http import ApiClient, serve_app
 

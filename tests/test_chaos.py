@@ -24,8 +24,8 @@ import pytest
 import redis
 from pydantic import SecretStr
 
-from gateway.dispatch import target_id
-from gateway.embedded import EmbeddedRedis, client_for
+from gateway.push.dispatch import target_id
+from gateway.ledger.embedded import EmbeddedRedis, client_for
 from tests.platforms import respond, serve_on
 from tests.test_worker_concurrency import stack
 

@@ -6,8 +6,8 @@ import io
 
 import pytest
 
-from gateway.cli import main
-from gateway.cli_client import Client, watch
+from gateway.runtime.cli import main
+from gateway.runtime.cli_client import Client, watch
 from tests.conftest import TOKEN
 
 FLOW_YAML = """

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from gateway.cli import main as cli_main
+from gateway.runtime.cli import main as cli_main
 from tests.conftest import TOKEN
 
 

@@ -18,12 +18,12 @@ import pytest
 import redis
 import requests
 
-from gateway import procs
-from gateway.embedded import EmbeddedRedis, client_for, free_port
+from gateway.runtime import procs
+from gateway.ledger.embedded import EmbeddedRedis, client_for, free_port
 from gateway.errors import StaleLease
-from gateway.ledger import Ledger
+from gateway.ledger.ledger import Ledger
 from gateway.settings import Settings
-from gateway.supervisor import Supervisor
+from gateway.push.supervisor import Supervisor
 from tests.conftest import TOKEN
 
 pytestmark = pytest.mark.slow
@@ -137,8 +137,8 @@ def test_redis_sigkill_and_restart_from_aof_loses_no_acknowledged_commit(tmp_pat
     url = server.start()
     client = client_for(url)
     own = settings.model_copy(update={"redis_url": url})
-    from gateway.flows import FlowRegistry, parse_flow
-    from gateway.jobs import JobRequest, JobService
+    from gateway.ledger.flows import FlowRegistry, parse_flow
+    from gateway.ledger.jobs import JobRequest, JobService
 
     ledger = Ledger(client, own)
     FlowRegistry(client, ledger.keys).register("acme", parse_flow(

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from gateway import procs
-from gateway.embedded import free_port
+from gateway.runtime import procs
+from gateway.ledger.embedded import free_port
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc")
 
@@ -35,7 +35,7 @@ STARTED: list[Path] = []  # data dirs of this module's deployments, cleaned up w
 
 
 def batchgate(*args: str) -> list[str]:
-    return [sys.executable, "-m", "gateway.cli", *args]
+    return [sys.executable, "-m", "gateway.runtime.cli", *args]
 
 
 def bg_env(data_dir: Path, **extra: str) -> dict[str, str]:
@@ -235,7 +235,7 @@ def test_a_second_up_on_a_taken_port_or_data_dir_refuses_and_sigterm_stops_every
     up = start_up(tmp_path, data, port)
     running = processes(data)
     try:
-        for part in ("redis-server", "gunicorn", "gateway.cli supervisor", "gateway.cli worker"):
+        for part in ("redis-server", "gunicorn", "gateway.runtime.cli supervisor", "gateway.runtime.cli worker"):
             assert any(part in cmd for cmd in running.values()), (part, running)
         same_port = run(tmp_path, bg_env(other), "up", "--port", str(port))
         assert same_port.returncode == 2 and f"port {port}" in same_port.stderr, same_port.stderr
@@ -256,7 +256,7 @@ def test_a_second_up_on_a_taken_port_or_data_dir_refuses_and_sigterm_stops_every
 def test_up_stops_the_rest_and_fails_when_a_child_dies(tmp_path):
     data = tmp_path / "data"
     up = start_up(tmp_path, data, free_port())
-    supervisor = [pid for pid, cmd in processes(data).items() if "gateway.cli supervisor" in cmd]
+    supervisor = [pid for pid, cmd in processes(data).items() if "gateway.runtime.cli supervisor" in cmd]
     assert len(supervisor) == 1
     os.kill(supervisor[0], signal.SIGKILL)
     assert up.proc.wait(30) == 1

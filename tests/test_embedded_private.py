@@ -10,7 +10,7 @@ import stat
 import pytest
 import redis
 
-from gateway.embedded import EmbeddedRedis, client_for, socket_dir
+from gateway.ledger.embedded import EmbeddedRedis, client_for, socket_dir
 
 
 @pytest.fixture

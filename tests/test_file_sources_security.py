@@ -21,7 +21,7 @@ import pytest
 
 import chunker
 from chunker.localfiles import FileAccess, FileAccessError, open_file
-from gateway.app import create_app
+from gateway.api.app import create_app
 from tests.chunker.helpers import Server
 from tests.conftest import OTHER_TOKEN, TOKEN
 from tests.http import ApiClient, serve_app

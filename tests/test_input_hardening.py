@@ -265,7 +265,7 @@ def test_unknown_routes_wrong_methods_and_big_bodies_are_problems(api, small_api
 
 @pytest.fixture
 def small_api(redis_server, redis_client, tmp_path):
-    from gateway.app import create_app
+    from gateway.api.app import create_app
     from gateway.settings import Settings
 
     settings = Settings(redis_url=redis_server.url, data_dir=tmp_path / "small", tokens={TOKEN: "acme"},
@@ -293,13 +293,13 @@ def test_unexpected_error_is_an_opaque_500_and_its_log_line_holds_no_token(api, 
         raise RuntimeError(f"boom while handling {tok}")
 
     monkeypatch.setattr("gateway.api.callbacks.verify", explode)
-    with caplog.at_level(logging.ERROR, logger="gateway.app"):
+    with caplog.at_level(logging.ERROR, logger="gateway.api.app"):
         resp = api.post(callback_url, json={"status": "succeeded", "output": {}})
     body = assert_problem(resp, 500)
     assert token not in resp.text and "boom" not in resp.text
     error_id = body["error_id"]
     assert len(error_id) == 32 and body["instance"].endswith(error_id)
-    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.app"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.api.app"]
     line = next(m for m in lines if error_id in m)
     assert "RuntimeError" in line and "/v1/callbacks/" in line and "redacted" in line
     assert token not in line and all(token not in m for m in lines)
@@ -310,8 +310,8 @@ def test_500_on_an_ordinary_route_names_the_path(api, monkeypatch, caplog):
     def explode(*args, **kwargs):
         raise KeyError("whatever")
 
-    monkeypatch.setattr("gateway.jobs.JobService.list", explode)
-    with caplog.at_level(logging.ERROR, logger="gateway.app"):
+    monkeypatch.setattr("gateway.ledger.jobs.JobService.list", explode)
+    with caplog.at_level(logging.ERROR, logger="gateway.api.app"):
         body = assert_problem(api.get("/v1/jobs"), 500)
     assert any(body["error_id"] in r.getMessage() and "GET /v1/jobs" in r.getMessage()
                for r in caplog.records)

@@ -15,7 +15,7 @@ import pytest
 import redis.connection
 
 from gateway.errors import SourceUnavailable
-from gateway.ledger import PLAN_AHEAD
+from gateway.ledger.ledger import PLAN_AHEAD
 from tests.conftest import drain
 
 
@@ -125,7 +125,7 @@ def test_a_source_that_fails_after_planning_ahead_counts_once_and_answers_503(le
 
 
 def test_a_planner_that_died_holding_the_lock_delays_leases_but_loses_nothing(ledger, make_job, monkeypatch):
-    import gateway.ledger as ledger_module
+    import gateway.ledger.ledger as ledger_module
 
     monkeypatch.setattr(ledger_module, "LEASE_PATIENCE_S", 0.05)
     job_id = make_job(items=10, max_items=3, stages=("only",))
@@ -138,8 +138,8 @@ def test_a_planner_that_died_holding_the_lock_delays_leases_but_loses_nothing(le
 
 def test_concurrent_leasers_share_one_planner_and_never_lease_a_batch_twice(ledger, settings, make_job,
                                                                           redis_server):
-    from gateway.embedded import client_for
-    from gateway.ledger import Ledger
+    from gateway.ledger.embedded import client_for
+    from gateway.ledger.ledger import Ledger
 
     job_id = make_job(items=list(range(400)), max_items=2, stages=("only",), concurrency=1000)
     ledgers = [Ledger(client_for(redis_server.url), settings) for _ in range(6)]

@@ -81,8 +81,8 @@ def test_many_concurrent_leasers_never_share_a_batch(ledger, make_job, redis_ser
     lock = threading.Lock()
 
     def leaser():
-        from gateway.embedded import client_for
-        from gateway.ledger import Ledger
+        from gateway.ledger.embedded import client_for
+        from gateway.ledger.ledger import Ledger
 
         own = Ledger(client_for(redis_server.url), ledger.settings)
         while (lease := own.lease(job_id)) is not None:

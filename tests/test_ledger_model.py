@@ -76,14 +76,14 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from gateway.embedded import EmbeddedRedis, client_for
+from gateway.ledger.embedded import EmbeddedRedis, client_for
 from gateway.errors import Conflict, JobCancelled, RunTooLong, StaleLease
-from gateway.flows import FlowRegistry, parse_flow
-from gateway.jobs import JobRequest, JobService
-from gateway.ledger import Ledger
-from gateway.records import dumps, intact, loads_or_none, seal
+from gateway.ledger.flows import FlowRegistry, parse_flow
+from gateway.ledger.jobs import JobRequest, JobService
+from gateway.ledger.ledger import Ledger
+from gateway.ledger.records import dumps, intact, loads_or_none, seal
 from gateway.settings import Settings
-from gateway.supervisor import Supervisor
+from gateway.push.supervisor import Supervisor
 
 TENANT = "acme"
 LIVE = ("running", "paused", "held")

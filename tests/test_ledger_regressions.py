@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import Conflict
-from gateway.supervisor import Supervisor
+from gateway.push.supervisor import Supervisor
 from tests.conftest import drain
 
 

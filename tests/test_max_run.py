@@ -16,8 +16,8 @@ from datetime import UTC, datetime
 import pytest
 
 from gateway.errors import InvalidRequest, RunTooLong, StaleLease
-from gateway.flows import DEFAULT_MAX_RUN, parse_flow
-from gateway.records import intact
+from gateway.ledger.flows import DEFAULT_MAX_RUN, parse_flow
+from gateway.ledger.records import intact
 
 RETRY = {"initial_interval": 0.05, "maximum_interval": 0.05, "maximum_attempts": 3}
 

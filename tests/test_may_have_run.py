@@ -11,9 +11,9 @@ import pytest
 from rq import SimpleWorker
 from rq.serializers import JSONSerializer
 
-import gateway.dispatch
-from gateway.dispatch import Dispatcher
-from gateway.ledger import Ledger
+import gateway.push.dispatch
+from gateway.push.dispatch import Dispatcher
+from gateway.ledger.ledger import Ledger
 from tests.standins import StandinCozeStudio, StandinDify
 
 DIFY_KEY, COZE_TOKEN = "app-standin-key", "pat_standin-token"
@@ -25,7 +25,7 @@ def push(settings, redis_client, monkeypatch):
                                       "secrets": {"acme": {"dify": DIFY_KEY, "coze": COZE_TOKEN}}})
     ledger = Ledger(redis_client, own)
     d = Dispatcher.build(own, ledger)
-    monkeypatch.setattr(gateway.dispatch, "_DISPATCHER", d)
+    monkeypatch.setattr(gateway.push.dispatch, "_DISPATCHER", d)
     return ledger, d
 
 

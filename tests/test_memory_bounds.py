@@ -9,10 +9,10 @@ from __future__ import annotations
 import sys
 import threading
 
-import gateway.jobs
-from gateway.ledger import Ledger
+import gateway.ledger.jobs
+from gateway.ledger.ledger import Ledger
 from gateway.settings import Settings
-from gateway.supervisor import Supervisor
+from gateway.push.supervisor import Supervisor
 from tests.conftest import drain
 
 
@@ -63,7 +63,7 @@ def test_supervisor_forgets_the_spec_of_a_job_it_retires(ledger, make_job):
 
 
 def test_listing_pages_through_the_index_and_forgets_expired_jobs(ledger, jobs, make_job, monkeypatch):
-    monkeypatch.setattr(gateway.jobs, "LIST_PAGE", 3)
+    monkeypatch.setattr(gateway.ledger.jobs, "LIST_PAGE", 3)
     ids = [make_job(items=2) for _ in range(10)]
     expired = ids[1:8:2]  # as if their retention ran out: every key gone, the index entry left
     for job_id in expired:

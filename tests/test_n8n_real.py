@@ -47,10 +47,10 @@ import yaml
 
 from connectors import get_connector
 from connectors.base import PlatformError, Retry, Running
-from gateway.app import create_app
-from gateway.dispatch import Dispatcher
-from gateway.ledger import Ledger
-from gateway.supervisor import Supervisor
+from gateway.api.app import create_app
+from gateway.push.dispatch import Dispatcher
+from gateway.ledger.ledger import Ledger
+from gateway.push.supervisor import Supervisor
 from tests.conftest import TOKEN
 from tests.connectors.helpers import call
 from tests.http import ApiClient, serve_app
@@ -220,7 +220,7 @@ class Example:
         self.sup = Supervisor(ledger, name="n8n-real", dispatcher=Dispatcher.build(own, ledger))
         threading.Thread(target=self.sup.run, daemon=True).start()
         self.logs = [(tmp_path / f"worker{i}.log").open("w") for i in range(2)]
-        self.workers = [subprocess.Popen([sys.executable, "-m", "gateway.cli", "worker"], env=env,
+        self.workers = [subprocess.Popen([sys.executable, "-m", "gateway.runtime.cli", "worker"], env=env,
                                          start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
                         for log in self.logs]
         self.api = ApiClient(base, TOKEN)

@@ -25,9 +25,9 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from connectors.base import Answer
-from gateway import procs
-from gateway.embedded import free_port
-from gateway.openapi import EXAMPLES, REQUEST_MODELS, ROUTES, CallbackAnswer, document
+from gateway.runtime import procs
+from gateway.ledger.embedded import free_port
+from gateway.api.openapi import EXAMPLES, REQUEST_MODELS, ROUTES, CallbackAnswer, document
 from gateway.security import sign
 from gateway.settings import Settings
 from tests.conftest import TOKEN
@@ -57,7 +57,7 @@ def test_every_route_is_documented_and_nothing_else(api):
 
 @pytest.fixture
 def api(settings, redis_client):
-    from gateway.app import create_app
+    from gateway.api.app import create_app
     from tests.http import ApiClient, serve_app
 
     app = create_app(settings, redis_client)
@@ -122,7 +122,7 @@ def live(redis_server, tmp_path_factory):
 
     Yields (base url, job ids, the signing key gunicorn was given).
     """
-    from gateway.embedded import client_for
+    from gateway.ledger.embedded import client_for
 
     client_for(redis_server.url).flushdb()
     port = free_port()

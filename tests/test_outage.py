@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from gateway.dispatch import Dispatcher, target_id
-from gateway.ledger import Ledger
+from gateway.push.dispatch import Dispatcher, target_id
+from gateway.ledger.ledger import Ledger
 from tests.platforms import respond, serve_on
 
 

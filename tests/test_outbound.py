@@ -23,11 +23,11 @@ import pytest
 import requests
 from pydantic import SecretStr
 
-from gateway import urlguard
-from gateway.dispatch import Dispatcher
-from gateway.ledger import Ledger
-from gateway.outbound import MAX_REDIRECTS, RefusedURL, guarded_session
-from gateway.urlguard import Allowlist
+from gateway.net import urlguard
+from gateway.push.dispatch import Dispatcher
+from gateway.ledger.ledger import Ledger
+from gateway.net.outbound import MAX_REDIRECTS, RefusedURL, guarded_session
+from gateway.net.urlguard import Allowlist
 
 MARKER = "BODY-MARKER-7c1e"  # in every body a refused server would serve; must reach no response
 SECRET = "hook-secret-4f9a2b"
@@ -336,7 +336,7 @@ def test_a_flow_source_on_loopback_is_refused_when_the_job_is_created(api, serve
 @pytest.fixture
 def api_allowing(settings, redis_client):
     """The gateway on a real socket with ``outbound_allow`` set; returns (ApiClient, settings)."""
-    from gateway.app import create_app
+    from gateway.api.app import create_app
     from tests.conftest import TOKEN
     from tests.http import ApiClient, serve_app
 

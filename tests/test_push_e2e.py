@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.app import create_app
-from gateway.dispatch import Dispatcher
-from gateway.ledger import Ledger
-from gateway.supervisor import Supervisor
+from gateway.api.app import create_app
+from gateway.push.dispatch import Dispatcher
+from gateway.ledger.ledger import Ledger
+from gateway.push.supervisor import Supervisor
 from tests.conftest import TOKEN
 from tests.http import ApiClient, serve_app
 from tests.platforms import FakeDify
@@ -60,7 +60,7 @@ class Workers:
     def start(self) -> None:
         for _ in range(self.count):
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "gateway.cli", "worker"], env=self.env, start_new_session=True,
+                [sys.executable, "-m", "gateway.runtime.cli", "worker"], env=self.env, start_new_session=True,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
     def kill(self) -> None:

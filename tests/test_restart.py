@@ -1,7 +1,7 @@
 """Restarts, as real processes on real sockets against a real redis-server.
 
 - ``batchgate serve`` whose gunicorn master is SIGKILLed while a request is in flight can be started
-  again on the same port at once (gateway/gunicorn_conf.py), and the orphaned worker still finishes
+  again on the same port at once (gateway/runtime/gunicorn_conf.py), and the orphaned worker still finishes
   the request it was serving, then exits.
 - The API while its Redis is down answers 503 problem+json with Retry-After, never a 500; once Redis is
   back (restarted from its AOF on the same socket), the same API process answers again.
@@ -23,8 +23,8 @@ import pytest
 import redis
 import requests
 
-from gateway.embedded import EmbeddedRedis, client_for, free_port
-from gateway.ledger import Ledger
+from gateway.ledger.embedded import EmbeddedRedis, client_for, free_port
+from gateway.ledger.ledger import Ledger
 from gateway.settings import Settings
 from tests.conftest import TOKEN
 
@@ -50,7 +50,7 @@ class Proc:
         self.log_path = tmp_path / f"{name}.log"
         self.instance = env["BATCHGATE_INSTANCE_ID"] = f"{name}-{os.urandom(4).hex()}"
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], env=env, stdout=log,
+            self.proc = subprocess.Popen([sys.executable, "-m", "gateway.runtime.cli", *args], env=env, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
 
     def output(self) -> str:
@@ -128,7 +128,7 @@ def test_serve_starts_again_at_once_after_its_master_is_sigkilled(redis_server, 
         second = Proc(tmp_path, "serve-2", ["serve", "--port", str(port), "--workers", "2"], env)
         wait_healthy(second, port, 30)
         took = time.monotonic() - killed
-        # Before gateway/gunicorn_conf.py the orphans held the port until their request in flight ended
+        # Before gateway/runtime/gunicorn_conf.py the orphans held the port until their request in flight ended
         # (about 4.5 s after the kill; up to graceful_timeout, 30 s, in general): the new master's bind
         # failed ("Connection in use"), and gunicorn gives up after 5 tries a second apart. Now its
         # first bind succeeds; the time to answer is then the workers' boot (loose bound: a busy machine).
@@ -264,8 +264,8 @@ def test_supervisor_started_while_redis_is_down_waits_then_recovers_and_survives
     """`batchgate supervisor` as a process: started with its Redis down it waits (no crash); once Redis is
     back (from its AOF, same socket) it recovers the job left running (expires its dead lease); Redis
     SIGKILLed and restarted again under it, its ticks go on (the next dead lease expires too)."""
-    from gateway.flows import FlowRegistry, parse_flow
-    from gateway.jobs import JobRequest, JobService
+    from gateway.ledger.flows import FlowRegistry, parse_flow
+    from gateway.ledger.jobs import JobRequest, JobService
 
     server = EmbeddedRedis(tmp_path / "redis")
     url = server.start()

@@ -1,6 +1,6 @@
 """Each ledger Lua script called directly, with raw KEYS/ARGV exactly as its header comment documents.
 
-gateway/lua/<op>.lua (lib.lua prepended) is run through ``ledger.scripts.<op>``; every test checks the
+gateway/ledger/lua/<op>.lua (lib.lua prepended) is run through ``ledger.scripts.<op>``; every test checks the
 reply, the Redis state the script leaves behind, and that every record it wrote still passes its checksum.
 """
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from gateway.records import digest, dumps, intact
+from gateway.ledger.records import digest, dumps, intact
 
 MAXLEN = 1000
 ACTOR = "tester"

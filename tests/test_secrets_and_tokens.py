@@ -18,12 +18,12 @@ from rq import SimpleWorker
 from rq.serializers import JSONSerializer
 
 import gateway.api.callbacks
-import gateway.dispatch
-from gateway import procs
-from gateway.app import create_app
-from gateway.dispatch import Dispatcher
-from gateway.embedded import free_port
-from gateway.ledger import Ledger
+import gateway.push.dispatch
+from gateway.runtime import procs
+from gateway.api.app import create_app
+from gateway.push.dispatch import Dispatcher
+from gateway.ledger.embedded import free_port
+from gateway.ledger.ledger import Ledger
 from gateway.security import redact_path, sign, verify
 from gateway.settings import Settings
 from tests.conftest import OTHER_TOKEN, TOKEN
@@ -74,7 +74,7 @@ def http_flow(url: str, secret: str | None, fid: str = "f", version: str = "1", 
 
 def run_push(stack: Stack, monkeypatch) -> None:
     """Run every fed job's ready stage calls, then every queued RQ job (polls), in this process."""
-    monkeypatch.setattr(gateway.dispatch, "_DISPATCHER", stack.dispatcher)
+    monkeypatch.setattr(gateway.push.dispatch, "_DISPATCHER", stack.dispatcher)
     for job_id in stack.dispatcher.fed_jobs(rescan=True):
         stack.dispatcher.run_ready(job_id)
     queue = stack.dispatcher.queue
@@ -103,7 +103,7 @@ def test_flat_secrets_are_refused_with_a_migration_hint(monkeypatch):
     text = str(caught.value)
     assert "dify_app" in text and '"*"' in text and "app-flat-value-123" not in text
     monkeypatch.setenv("BATCHGATE_SECRETS", json.dumps({"dify_app": "app-flat-value-123"}))
-    result = subprocess.run([sys.executable, "-m", "gateway.cli", "jobs", "list"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "gateway.runtime.cli", "jobs", "list"], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2
     assert "flat form" in result.stderr and "app-flat-value-123" not in result.stderr
@@ -145,7 +145,7 @@ def test_a_push_job_naming_a_shared_secret_runs_for_any_tenant(stack, monkeypatc
 
 
 def test_the_platform_gets_acmes_secret_only_for_acmes_job(stack, monkeypatch, registry):
-    from gateway.flows import parse_flow
+    from gateway.ledger.flows import parse_flow
 
     with FakeHttpPlatform() as platform:
         assert stack.acme.post("/v1/flows", json=http_flow(platform.url, "acme_key", "a")).status_code == 201
@@ -308,7 +308,7 @@ def test_batchgate_worker_reads_its_config_file_and_logs_no_token(stack, redis_s
         env = procs.child_env(stack.settings, redis_server.url, stack.settings.token_map())
         env.update(BATCHGATE_LOG_LEVEL="DEBUG", BATCHGATE_PUBLIC_URL=stack.settings.base_url(),
                    BATCHGATE_OUTBOUND_ALLOW='["127.0.0.1/32"]')
-        result = subprocess.run([sys.executable, "-m", "gateway.cli", "worker", "--burst"], env=env,
+        result = subprocess.run([sys.executable, "-m", "gateway.runtime.cli", "worker", "--burst"], env=env,
                                 capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert auths(platform) == {f"Bearer {ACME_KEY}"}  # the secret came from the file

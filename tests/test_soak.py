@@ -53,8 +53,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from gateway import procs
-from gateway.embedded import free_port
+from gateway.runtime import procs
+from gateway.ledger.embedded import free_port
 from gateway.settings import Settings
 from tests.conftest import TOKEN
 

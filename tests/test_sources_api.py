@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from gateway.cli_client import progress_line
-from gateway.jobspec import JobSpec
+from gateway.runtime.cli_client import progress_line
+from gateway.ledger.jobspec import JobSpec
 from tests.chunker.helpers import Server, file_app
 
 PROBLEM = "application/problem+json"

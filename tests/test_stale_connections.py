@@ -3,7 +3,7 @@
 A keep-alive server closes a connection idle for its timeout (Node, so n8n, after 5 s). A request written
 to a pooled connection the server has just closed fails before any answer, and the platform never read
 it; batchgate used to class that as "the flow may have run" and fail a stage that is not idempotent as
-``outcome_unknown`` (about one n8n job in nine). gateway.keepalive: pooled connections idle past a limit
+``outcome_unknown`` (about one n8n job in nine). gateway.net.keepalive: pooled connections idle past a limit
 are not reused, and a request whose bytes the peer's TCP never acknowledged is sent once more on a fresh
 connection. Real sockets on 127.0.0.1 throughout; the platforms count what they billed by Idempotency-Key.
 """
@@ -24,12 +24,12 @@ import urllib3.connectionpool
 
 from connectors import get_connector
 from connectors.base import PlatformError, Retry
-from gateway.dispatch import Dispatcher
+from gateway.push.dispatch import Dispatcher
 from gateway.errors import NotFound
-from gateway.keepalive import delivery_verdict, idle_limit, tcp_state
-from gateway.ledger import Ledger
-from gateway.outbound import guarded_session
-from gateway.urlguard import Allowlist
+from gateway.net.keepalive import delivery_verdict, idle_limit, tcp_state
+from gateway.ledger.ledger import Ledger
+from gateway.net.outbound import guarded_session
+from gateway.net.urlguard import Allowlist
 from tests.connectors.helpers import call
 from tests.platforms import respond
 

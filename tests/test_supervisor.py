@@ -9,9 +9,9 @@ from datetime import timedelta
 
 import pytest
 
-from gateway.embedded import client_for
-from gateway.ledger import Ledger
-from gateway.supervisor import Supervisor
+from gateway.ledger.embedded import client_for
+from gateway.ledger.ledger import Ledger
+from gateway.push.supervisor import Supervisor
 
 
 @pytest.fixture
@@ -113,9 +113,9 @@ def test_retention_expires_succeeded_jobs_but_never_failed_ones(ledger, make_job
 
 
 def test_a_job_with_an_unreachable_source_does_not_stop_supervision(ledger, jobs, make_job, registry):
-    from gateway.dispatch import Dispatcher
-    from gateway.flows import parse_flow
-    from gateway.jobs import JobRequest
+    from gateway.push.dispatch import Dispatcher
+    from gateway.ledger.flows import parse_flow
+    from gateway.ledger.jobs import JobRequest
     from tests.chunker.helpers import Server, file_app
 
     source = Server(file_app(b'{"n": 1}\n', honour_range=True))  # up at creation, then gone

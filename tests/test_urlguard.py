@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from gateway.urlguard import Allowlist, UnsafeURL, check_url, forbidden, numeric_host
+from gateway.net.urlguard import Allowlist, UnsafeURL, check_url, forbidden, numeric_host
 
 NOTHING = Allowlist()
 

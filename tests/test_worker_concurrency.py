@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.app import create_app
-from gateway.dispatch import Dispatcher
+from gateway.api.app import create_app
+from gateway.push.dispatch import Dispatcher
 from gateway.errors import NotFound
-from gateway.ledger import Ledger
-from gateway.supervisor import Supervisor
+from gateway.ledger.ledger import Ledger
+from gateway.push.supervisor import Supervisor
 from tests.conftest import TOKEN
 from tests.http import ApiClient, serve_app
 from tests.platforms import SlowSyncPlatform
@@ -61,7 +61,7 @@ class Stack:
     def worker(self, concurrency: int, log_to: Path | None = None, **env: str) -> subprocess.Popen:
         """A `batchgate worker` process; its log goes to ``log_to`` (appended) if given."""
         out = open(log_to, "ab") if log_to else subprocess.DEVNULL  # noqa: SIM115 (the child keeps it)
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "worker", "--concurrency",
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.runtime.cli", "worker", "--concurrency",
                                  str(concurrency)], env={**self.env, **env}, start_new_session=True,
                                 stdout=out, stderr=out)
         if log_to:

@@ -1,4 +1,4 @@
-"""The push worker's feeder (gateway/worker.py) in this process: which jobs it feeds, and that a
+"""The push worker's feeder (gateway/push/worker.py) in this process: which jobs it feeds, and that a
 feeding pass that fails is logged and feeding goes on (a feeder thread that ended would leave the
 process up and every push job waiting)."""
 
@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-import gateway.dispatch
-from gateway.dispatch import Dispatcher
-from gateway.supervisor import Supervisor
-from gateway.worker import PushWorker
+import gateway.push.dispatch
+from gateway.push.dispatch import Dispatcher
+from gateway.push.supervisor import Supervisor
+from gateway.push.worker import PushWorker
 from tests.platforms import SlowSyncPlatform
 
 
@@ -44,7 +44,7 @@ def test_workers_are_fed_only_jobs_that_have_push_stages(ledger, make_job, redis
 
 def test_a_feeding_pass_that_fails_is_logged_and_feeding_goes_on(ledger, make_job, monkeypatch, caplog):
     d = Dispatcher.build(ledger.settings, ledger)
-    monkeypatch.setattr(gateway.dispatch, "_DISPATCHER", d)  # the worker's threads use this one
+    monkeypatch.setattr(gateway.push.dispatch, "_DISPATCHER", d)  # the worker's threads use this one
     platform = SlowSyncPlatform(delay=0.0)
     try:
         job_id = make_job(items=list(range(6)), max_items=3, stage_defs=push_stage(platform.url))
@@ -77,12 +77,12 @@ def test_a_feeding_pass_that_fails_is_logged_and_feeding_goes_on(ledger, make_jo
 
 def test_a_worker_whose_feeder_ends_exits_1_for_its_process_manager(ledger, monkeypatch, caplog):
     d = Dispatcher.build(ledger.settings, ledger)
-    monkeypatch.setattr(gateway.dispatch, "_DISPATCHER", d)
+    monkeypatch.setattr(gateway.push.dispatch, "_DISPATCHER", d)
     worker = PushWorker(d.queue, concurrency=2, grace_s=1)
     monkeypatch.setattr(worker.polls, "start", lambda burst=False: None)  # no RQ threads here
     monkeypatch.setattr(worker, "feed", lambda burst=False: None)  # the feeder thread ends at once
     try:
         assert worker.run(burst=False, install_signals=False) == 1
     finally:
-        gateway.dispatch.STOPPING.clear()  # process-wide: later tests' calls must not see a stop
+        gateway.push.dispatch.STOPPING.clear()  # process-wide: later tests' calls must not see a stop
     assert "feeder thread ended unexpectedly" in caplog.text

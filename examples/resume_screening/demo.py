@@ -34,9 +34,9 @@ from pathlib import Path
 import requests
 import yaml
 
-from gateway import procs
-from gateway.cli_client import Client, progress_line
-from gateway.embedded import EmbeddedRedis, free_port
+from gateway.runtime import procs
+from gateway.runtime.cli_client import Client, progress_line
+from gateway.ledger.embedded import EmbeddedRedis, free_port
 from gateway.settings import Settings
 
 HERE = Path(__file__).resolve().parent

@@ -5,10 +5,9 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify
 
 from connectors.base import Answer
-from gateway.api.common import json_body
-from gateway.app import request_services
-from gateway.dispatch import commit_answer
+from gateway.api.common import json_body, request_services
 from gateway.errors import InvalidRequest, NotFound
+from gateway.push.dispatch import commit_answer
 from gateway.security import verify
 
 bp = Blueprint("callbacks", __name__, url_prefix="/v1")

@@ -1,17 +1,47 @@
-"""Helpers every blueprint uses: JSON bodies, query integers, Idempotency-Key handling."""
+"""What every blueprint uses: the app's Services, JSON bodies, query integers, Idempotency-Key handling."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from flask import g, jsonify, request
+import redis
+from flask import current_app, g, jsonify, request
 
-from gateway.app import request_services, require_json_type
-from gateway.errors import BatchgateError, InvalidRequest, MalformedBody
-from gateway.idempotency import fingerprint
-from gateway.validation import strict_loads
+from gateway.api.idempotency import IdempotencyStore, fingerprint
+from gateway.errors import BatchgateError, InvalidRequest, MalformedBody, UnsupportedMediaType
+from gateway.ledger.flows import FlowRegistry
+from gateway.ledger.jobs import JobService
+from gateway.ledger.ledger import Ledger
+from gateway.settings import Settings
+from gateway.validation import is_json_mimetype, strict_loads
+
+
+@dataclass
+class Services:
+    """What the request handlers use; one set per app."""
+
+    settings: Settings
+    redis: redis.Redis
+    ledger: Ledger
+    flows: FlowRegistry
+    jobs: JobService
+    idempotency: IdempotencyStore
+    dispatcher: Any = None
+
+
+def request_services() -> Services:
+    """The Services of the app handling this request."""
+    return current_app.extensions["batchgate"]
+
+
+def require_json_type() -> None:
+    """415 unless the request's Content-Type is application/json or application/*+json."""
+    if not is_json_mimetype(request.mimetype):
+        shown = (request.mimetype or "none")[:100]
+        raise UnsupportedMediaType(f"the body must be application/json (Content-Type: {shown})")
 
 
 def json_body(required: bool = True) -> dict[str, Any]:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from flask import Blueprint, g, jsonify
 
-from gateway.api.common import json_body
-from gateway.app import request_services
-from gateway.dispatch import target_urls
-from gateway.flows import check_secrets, parse_flow
-from gateway.jobspec import check_source_access
-from gateway.urlguard import Allowlist, check_url
+from gateway.api.common import json_body, request_services
+from gateway.ledger.flows import check_secrets, parse_flow
+from gateway.ledger.jobspec import check_source_access
+from gateway.net.urlguard import Allowlist, check_url
+from gateway.push.dispatch import target_urls
 
 bp = Blueprint("flows", __name__, url_prefix="/v1/flows")
 

@@ -6,7 +6,8 @@ import os
 
 from flask import Blueprint, jsonify
 
-from gateway.app import request_services
+from gateway.api.common import request_services
+from gateway.api.openapi import document
 
 bp = Blueprint("health", __name__)
 
@@ -25,6 +26,4 @@ def healthz():
 @bp.get("/openapi.json")
 def openapi_document():
     """The OpenAPI 3.1 document of the whole API (no auth: it holds no secrets)."""
-    from gateway.openapi import document
-
     return jsonify(document())

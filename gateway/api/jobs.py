@@ -6,11 +6,10 @@ import redis
 from flask import Blueprint, g, jsonify, request
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.api.common import idempotent, json_body, query_int
-from gateway.app import request_services
+from gateway.api.common import idempotent, json_body, query_int, request_services
 from gateway.errors import InvalidRequest
-from gateway.jobs import JobRequest, ResumeRequest
-from gateway.records import typed_entry
+from gateway.ledger.jobs import JobRequest, ResumeRequest
+from gateway.ledger.records import typed_entry
 from gateway.validation import parse
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")

@@ -7,9 +7,8 @@ from typing import Any
 from flask import Blueprint, g, jsonify
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.api.common import json_body
-from gateway.app import request_services
-from gateway.ledger import ABSENT
+from gateway.api.common import json_body, request_services
+from gateway.ledger.ledger import ABSENT
 from gateway.validation import parse
 
 bp = Blueprint("pull", __name__, url_prefix="/v1/jobs/<job_id>")

@@ -21,8 +21,8 @@ import requests
 
 from connectors import get_connector
 from connectors.base import Done, Retry, Running
-from gateway.outbound import guarded_session
-from gateway.urlguard import Allowlist
+from gateway.net.outbound import guarded_session
+from gateway.net.urlguard import Allowlist
 from tests.connectors.helpers import HOOK_SECRET, N8N_API_KEY, call, raises
 
 R, IDEM, U, F = Retry.RETRYABLE, Retry.IF_IDEMPOTENT, Retry.UNKNOWN, Retry.FATAL

@@ -18,7 +18,7 @@ versions (``run_stage`` now gives such a lease back unspent; the feeder leases t
 Why threads: a stage call is a blocking ``requests`` call that spends its time waiting on the platform
 (I/O bound; the GIL is released while waiting), and the connectors, the outbound guard and redis-py are
 synchronous; an event loop would mean rewriting all of them. Each thread has its own Dispatcher (HTTP
-session, Redis clients; gateway.dispatch.dispatcher()).
+session, Redis clients; gateway.push.dispatch.dispatcher()).
 
 Which jobs. Jobs with push stages are in the ``push:jobs`` set (a kick adds them: job created, resumed, a
 callback committed); the feeder also looks through the active set every RESCAN_S. A job with nothing to
@@ -50,8 +50,8 @@ from rq.logutils import setup_loghandlers
 from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 
-from gateway import dispatch
 from gateway.errors import BatchgateError, CorruptRecord, NotFound
+from gateway.push import dispatch
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ answer. For a call that starts a paid run that looked like "delivered, the run m
 stage that is not idempotent failed ``outcome_unknown`` for a request the platform never read (about one
 n8n job in nine).
 
-Two parts, both in the guarded session (gateway.outbound):
+Two parts, both in the guarded session (gateway.net.outbound):
 
 1. **Idle limit.** A pooled connection idle longer than the limit is closed instead of reused: the
    target's ``keepalive_idle`` (seconds; :data:`DEFAULT_IDLE_S` when unset; 0 = a new connection for every

@@ -13,8 +13,7 @@ from typing import Any
 import requests
 import yaml
 
-from gateway.procs import TOKEN_FILE
-from gateway.settings import Settings
+from gateway.settings import DEV_TOKEN_FILE, Settings
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -89,7 +88,7 @@ def default_token(settings: Settings) -> str | None:
     token = os.environ.get("BATCHGATE_TOKEN")
     if token:
         return token
-    path = Path(settings.data_dir) / TOKEN_FILE
+    path = Path(settings.data_dir) / DEV_TOKEN_FILE
     return path.read_text().strip() if path.exists() else None
 
 

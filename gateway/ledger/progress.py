@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.jobspec import FILE_TYPES, JobSpec
-from gateway.records import loads_or_none
+from gateway.ledger.jobspec import FILE_TYPES, JobSpec
+from gateway.ledger.records import loads_or_none
 
 
 def bytes_done(spec: JobSpec, committed_cursor: Any) -> int | None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import requests
 
+from gateway.ledger.embedded import STATE_FILE, DataDirInUse, EmbeddedRedis, recorded_url
 from gateway.settings import CREDENTIAL_FIELDS, DEV_TOKEN_FILE, Settings, write_config_file
 
 TOKEN_FILE = DEV_TOKEN_FILE
@@ -126,7 +127,7 @@ def _spawn(args: list[str], env: dict[str, str], tied: bool) -> subprocess.Popen
 def start_api(env: dict[str, str], host: str, port: int, workers: int = 2,
               tied: bool = False) -> subprocess.Popen:
     """gunicorn serving the app factory, as the Dockerfile does (``tied``: see die_with_parent)."""
-    args = [sys.executable, "-m", "gunicorn", "--config", "python:gateway.gunicorn_conf",
+    args = [sys.executable, "-m", "gunicorn", "--config", "python:gateway.runtime.gunicorn_conf",
             "--bind", f"{host}:{port}", "--workers", str(workers),
             "--threads", "4", "--log-level", "warning", "--graceful-timeout", "5",
             "gateway.app:create_app()"]
@@ -134,7 +135,7 @@ def start_api(env: dict[str, str], host: str, port: int, workers: int = 2,
 
 
 def start_supervisor(env: dict[str, str], tied: bool = False) -> subprocess.Popen:
-    return _spawn([sys.executable, "-m", "gateway.cli", "supervisor"], env, tied)
+    return _spawn([sys.executable, "-m", "gateway.runtime.cli", "supervisor"], env, tied)
 
 
 #: Stage calls the worker ``batchgate up`` starts runs at once (they wait on platforms: I/O bound).
@@ -145,7 +146,7 @@ def start_worker(env: dict[str, str], tied: bool = False, concurrency: int | Non
     """``batchgate worker``: RQ worker threads for push-mode stages (``--concurrency`` if given, else
     BATCHGATE_WORKER_CONCURRENCY from ``env``)."""
     extra = ["--concurrency", str(concurrency)] if concurrency else []
-    return _spawn([sys.executable, "-m", "gateway.cli", "worker", *extra], env, tied)
+    return _spawn([sys.executable, "-m", "gateway.runtime.cli", "worker", *extra], env, tied)
 
 
 def wait_healthy(base_url: str, timeout_s: float = 20.0, *, instance_id: str | None = None,
@@ -207,3 +208,25 @@ def stop(proc: subprocess.Popen | None, timeout_s: float = 10.0) -> None:
     if proc is None or proc.poll() is not None:
         return
     stop_all([proc], timeout_s)
+
+
+def start_embedded(settings: Settings) -> EmbeddedRedis:
+    """``batchgate up`` only: lock the data folder, start its redis-server (the caller stops it).
+
+    The server is tied to the calling process: it gets SIGTERM (and fsyncs) if the caller dies.
+    """
+    embedded = EmbeddedRedis(settings.data_dir, fsync=settings.embedded_fsync,
+                             preexec_fn=die_with_parent())
+    embedded.lock()
+    try:
+        leftover = recorded_url(embedded.data_dir)
+        if leftover is not None:  # not ours, and no `up` holds the lock: an orphan of a killed `up`
+            pid = json.loads((embedded.data_dir / STATE_FILE).read_text()).get("pid")
+            raise DataDirInUse(f"a redis-server (pid {pid}, {leftover}) left by an earlier "
+                               f"`batchgate up` still serves data dir {embedded.data_dir}; stop it "
+                               f"(kill {pid}) and start `batchgate up` again")
+        embedded.start()
+    except BaseException:
+        embedded.stop()
+        raise
+    return embedded

@@ -15,9 +15,9 @@ import requests
 import chunker
 from chunker.localfiles import check_path, open_file
 from gateway.errors import InvalidRequest, SourceUnavailable
-from gateway.flows import FlowSpec
-from gateway.outbound import session_for
-from gateway.records import dumps, loads_or_none
+from gateway.ledger.flows import FlowSpec
+from gateway.ledger.records import dumps, loads_or_none
+from gateway.net.outbound import session_for
 from gateway.settings import Settings
 
 #: Connect and read timeout of each request the creation probe makes; well under a worker's timeout.
@@ -207,7 +207,7 @@ def open_source(source: dict[str, Any], inline_items: Any = None, *, settings: S
 
     jsonl/csv paths read only what ``tenant`` may read under ``settings`` (file_access; without
     settings, no path at all); URL reads time out after ``settings.source_read_timeout`` without a byte.
-    URL sources read through a guarded session (gateway.outbound): public addresses only unless
+    URL sources read through a guarded session (gateway.net.outbound): public addresses only unless
     ``settings.outbound_allow`` admits them (without settings: none), every redirect hop checked.
     """
     if source["type"] == "inline":

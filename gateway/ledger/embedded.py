@@ -1,6 +1,7 @@
 """Embedded Redis: with no BATCHGATE_REDIS_URL, ``batchgate up`` runs one redis-server with AOF on.
 
-Only ``up`` starts it (``start_embedded``) and records it in ``<data_dir>/redis.json``; every other
+Only ``up`` starts it (``gateway.runtime.procs.start_embedded``) and records it in
+``<data_dir>/redis.json``; every other
 process (``serve``, ``supervisor``, ``worker``, ``create_app()``) joins that server or refuses to start
 (``connect``). One ledger per deployment: two servers never share a data folder.
 
@@ -265,7 +266,7 @@ def connect(settings: Settings) -> tuple[redis.Redis, Settings]:
     """The ledger's Redis, and ``settings`` naming its URL.
 
     BATCHGATE_REDIS_URL if set, else the embedded server a running ``batchgate up`` recorded in
-    BATCHGATE_DATA_DIR; NoLedgerRedis if neither (never starts a server: see ``start_embedded``).
+    BATCHGATE_DATA_DIR; NoLedgerRedis if neither (never starts a server: see ``procs.start_embedded``).
     """
     if settings.redis_url is not None:
         return client_for(settings.redis_url.get_secret_value()), settings
@@ -278,27 +279,3 @@ def connect(settings: Settings) -> tuple[redis.Redis, Settings]:
             f"Redis) or set BATCHGATE_REDIS_URL to your Redis.")
     log.info("joining the embedded redis of `batchgate up` at %s", url)
     return client_for(url), settings.model_copy(update={"redis_url": SecretStr(url)})
-
-
-def start_embedded(settings: Settings) -> EmbeddedRedis:
-    """``batchgate up`` only: lock the data folder, start its redis-server (the caller stops it).
-
-    The server is tied to the calling process: it gets SIGTERM (and fsyncs) if the caller dies.
-    """
-    from gateway.procs import die_with_parent
-
-    embedded = EmbeddedRedis(settings.data_dir, fsync=settings.embedded_fsync,
-                             preexec_fn=die_with_parent())
-    embedded.lock()
-    try:
-        leftover = recorded_url(embedded.data_dir)
-        if leftover is not None:  # not ours, and no `up` holds the lock: an orphan of a killed `up`
-            pid = json.loads((embedded.data_dir / STATE_FILE).read_text()).get("pid")
-            raise DataDirInUse(f"a redis-server (pid {pid}, {leftover}) left by an earlier "
-                               f"`batchgate up` still serves data dir {embedded.data_dir}; stop it "
-                               f"(kill {pid}) and start `batchgate up` again")
-        embedded.start()
-    except BaseException:
-        embedded.stop()
-        raise
-    return embedded

@@ -16,7 +16,6 @@ from typing import Any
 import redis
 
 import chunker
-from gateway.control import ControlOps
 from gateway.errors import (
     Conflict,
     CorruptRecord,
@@ -27,10 +26,11 @@ from gateway.errors import (
     SourceUnavailable,
     StaleLease,
 )
-from gateway.jobspec import FILE_TYPES, JobSpec, RedisListView, open_source
-from gateway.keys import JobKeys, Keys
-from gateway.records import digest, dumps, intact, loads_or_none, seal
-from gateway.scripts import Scripts
+from gateway.ledger.control import ControlOps
+from gateway.ledger.jobspec import FILE_TYPES, JobSpec, RedisListView, open_source
+from gateway.ledger.keys import JobKeys, Keys
+from gateway.ledger.records import digest, dumps, intact, loads_or_none, seal
+from gateway.ledger.scripts import Scripts
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Push mode: batchgate triggers each platform stage itself.
 
-A ``batchgate worker`` process (gateway/worker.py) feeds its call threads straight from the ledger: it
+A ``batchgate worker`` process (gateway/push/worker.py) feeds its call threads straight from the ledger: it
 leases a ready push-stage batch only when one of its threads is free, so the lease clock starts when the
 call starts and no lease waits in a queue. Per batch:
 
@@ -46,17 +46,17 @@ from connectors.base import (
     Running,
     StageCall,
 )
-from gateway.embedded import client_for
 from gateway.errors import BatchgateError, JobCancelled, NotFound, RunTooLong, StaleLease
-from gateway.flows import Stage
-from gateway.jobspec import JobSpec
-from gateway.keepalive import idle_limit
-from gateway.ledger import ABSENT, Lease, Ledger, idempotency_key
-from gateway.outbound import session_for
-from gateway.records import dumps, loads_or_none
+from gateway.ledger.embedded import client_for
+from gateway.ledger.flows import Stage
+from gateway.ledger.jobspec import JobSpec
+from gateway.ledger.ledger import ABSENT, Lease, Ledger, idempotency_key
+from gateway.ledger.records import dumps, loads_or_none
+from gateway.net.keepalive import idle_limit
+from gateway.net.outbound import session_for
+from gateway.net.urlguard import Allowlist, UnsafeURL, check_url
 from gateway.security import sign
 from gateway.settings import Settings
-from gateway.urlguard import Allowlist, UnsafeURL, check_url
 
 log = logging.getLogger(__name__)
 
@@ -534,7 +534,7 @@ _SHARED_LOCK = threading.Lock()
 def dispatcher() -> Dispatcher:
     """This thread's Dispatcher, built once per thread from the environment.
 
-    A worker runs several stage calls at once in threads (gateway/worker.py); each thread has its own
+    A worker runs several stage calls at once in threads (gateway/push/worker.py); each thread has its own
     HTTP session and RQ queue client. The settings and the Ledger (a thread-safe Redis connection pool
     and the spec cache, locked) are the process's one copy: a cache per thread would hold up to
     its bound in every thread.

@@ -18,8 +18,8 @@ from pydantic.json_schema import GenerateJsonSchema, models_json_schema
 
 from gateway.api.jobs import CancelRequest
 from gateway.api.pull import CompleteRequest, FailRequest, HeartbeatRequest, LeaseRequest
-from gateway.flows import FlowSpec
-from gateway.jobs import BATCH_STATUSES, STATUSES, JobRequest, ResumeRequest
+from gateway.ledger.flows import FlowSpec
+from gateway.ledger.jobs import BATCH_STATUSES, STATUSES, JobRequest, ResumeRequest
 from gateway.validation import MAX_DEPTH
 
 REF = "#/components/schemas/{model}"

@@ -14,8 +14,8 @@ from pathlib import Path
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from gateway import cli_client
-from gateway.embedded import DataDirInUse, NoLedgerRedis, connect
+from gateway.ledger.embedded import DataDirInUse, NoLedgerRedis, connect
+from gateway.runtime import cli_client
 from gateway.settings import Settings
 
 
@@ -91,8 +91,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     Nothing starts if the port is taken; if any child exits, the rest are stopped and ``up``
     exits 1. The embedded Redis is stopped last.
     """
-    from gateway import procs
-    from gateway.embedded import start_embedded
+    from gateway.runtime import procs
 
     settings = Settings()
     host, port = settings.host, args.port or settings.port
@@ -111,7 +110,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         if settings.redis_url is None:
             try:
-                embedded = start_embedded(settings)
+                embedded = procs.start_embedded(settings)
             except DataDirInUse:
                 raise
             except (RuntimeError, OSError) as exc:
@@ -168,7 +167,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run gunicorn in the foreground (the Dockerfile's command); exits 2 if it has no Redis."""
-    from gateway import procs
+    from gateway.runtime import procs
 
     settings = Settings()
     connect(settings)[0].close()  # NoLedgerRedis now, not once per gunicorn worker
@@ -177,9 +176,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"batchgate: no BATCHGATE_TOKENS set; a development token for tenant 'default' is in "
               f"{(settings.data_dir / procs.TOKEN_FILE).resolve()}", file=sys.stderr)
     port = args.port or settings.port
-    # gateway/gunicorn_conf.py: workers give the port back at once if this master is SIGKILLed, so
+    # gateway/runtime/gunicorn_conf.py: workers give the port back at once if this master is SIGKILLed, so
     # `serve` can be started again right away
-    os.execvp(sys.executable, [sys.executable, "-m", "gunicorn", "--config", "python:gateway.gunicorn_conf",
+    os.execvp(sys.executable, [sys.executable, "-m", "gunicorn",
+                               "--config", "python:gateway.runtime.gunicorn_conf",
                                "--bind", f"{settings.host}:{port}",
                                "--workers", str(args.workers), "--threads", "4",
                                "gateway.app:create_app()"])
@@ -187,13 +187,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    """A push worker (gateway/worker.py): --concurrency N stage calls at once, fed from the ledger, and a
+    """A push worker (gateway/push/worker.py): --concurrency N stage calls at once, fed from the ledger, and a
     few RQ threads for polls; SIGTERM lets calls in flight finish within BATCHGATE_WORKER_GRACE."""
     _, settings = connect(Settings())  # NoLedgerRedis before anything else
     # dispatcher() reads the URL from the environment
     os.environ["BATCHGATE_REDIS_URL"] = settings.redis_url.get_secret_value()
-    from gateway.dispatch import dispatcher
-    from gateway.worker import PushWorker
+    from gateway.push.dispatch import dispatcher
+    from gateway.push.worker import PushWorker
 
     settings = Settings()
     concurrency = args.concurrency or settings.worker_concurrency
@@ -208,9 +208,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_supervisor(args: argparse.Namespace) -> int:
     """Run the supervisor loop until SIGTERM/SIGINT."""
     client, settings = connect(Settings())  # NoLedgerRedis before anything else
-    from gateway.dispatch import Dispatcher
-    from gateway.ledger import Ledger
-    from gateway.supervisor import Supervisor
+    from gateway.ledger.ledger import Ledger
+    from gateway.push.dispatch import Dispatcher
+    from gateway.push.supervisor import Supervisor
 
     ledger = Ledger(client, settings)  # run() checks it (collation) once Redis answers: it may be down now
     supervisor = Supervisor(ledger, dispatcher=Dispatcher.build(settings, ledger))

@@ -2,7 +2,7 @@
 
 Flow authors and tenants choose the URLs batchgate calls (targets, polls, source URLs), so without a guard
 they could make batchgate reach loopback services, the private network or a cloud metadata endpoint (SSRF).
-This module decides which addresses may be called; :mod:`gateway.outbound` enforces it on every connection
+This module decides which addresses may be called; :mod:`gateway.net.outbound` enforces it on every connection
 (the address checked is the address connected to) and on every redirect hop. :func:`check_url` is the same
 decision made ahead of time, for clear errors at flow registration and job creation.
 

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gateway.errors import Conflict, CorruptRecord, JobCancelled, NotFound, RetryableError
-from gateway.records import dumps
-
-if TYPE_CHECKING:
-    from gateway.ledger import Ledger
+from gateway.ledger.records import dumps
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +23,14 @@ REPLAN_SLACK = 64  # seqs passed beyond next_seq, so batches planned meanwhile a
 
 
 class ControlOps:
-    """Mixed into Ledger: the operator's actions on a job."""
+    """Mixed into Ledger: the operator's actions on a job.
 
-    def _control_result(self: Ledger, res: list, job_id: str, action: str) -> None:
+    Uses the Ledger's ``r``, ``keys``, ``scripts``, ``settings``, ``spec()``, ``job_fields()``,
+    ``persist_job()`` and ``_ready_keys()``; it does not import the Ledger (an import circle: the
+    Ledger is made of this mixin).
+    """
+
+    def _control_result(self, res: list, job_id: str, action: str) -> None:
         if res[0] == "missing":
             raise NotFound(f"job {job_id} not found")
         if res[0] == "corrupt":
@@ -40,7 +42,7 @@ class ControlOps:
                                    job_status=status)
             raise Conflict(f"job {job_id} is {status}; cannot {action}", job_status=status)
 
-    def _retrying(self: Ledger, job_id: str, attempt_fn) -> list:
+    def _retrying(self, job_id: str, attempt_fn) -> list:
         """Run a control script, reading again while it answers 'raced'."""
         for _ in range(RACE_RETRIES):
             res = attempt_fn()
@@ -49,7 +51,7 @@ class ControlOps:
             time.sleep(0.002)
         raise RetryableError(f"job {job_id} changed too fast to act on; try again")
 
-    def set_status(self: Ledger, job_id: str, status: str, allowed: tuple[str, ...], actor: str,
+    def set_status(self, job_id: str, status: str, allowed: tuple[str, ...], actor: str,
                    reason: str = "") -> str:
         """Move the job to ``status`` if it is in one of ``allowed``; returns the old status."""
         k = self.keys.job(job_id)
@@ -63,19 +65,19 @@ class ControlOps:
         log.info("job status job_id=%s %s -> %s actor=%s", job_id, res[1], status, actor)
         return res[1]
 
-    def pause(self: Ledger, job_id: str, actor: str) -> str:
+    def pause(self, job_id: str, actor: str) -> str:
         """No new leases; batches in flight may still heartbeat, complete and fail."""
         return self.set_status(job_id, "paused", ("running",), actor)
 
-    def hold(self: Ledger, job_id: str, actor: str, reason: str) -> str:
+    def hold(self, job_id: str, actor: str, reason: str) -> str:
         """Record-only recovery: nothing expires, pumps or starts a call until released."""
         return self.set_status(job_id, "held", ("running",), actor, reason)
 
-    def release(self: Ledger, job_id: str, actor: str) -> str:
+    def release(self, job_id: str, actor: str) -> str:
         """Let a held job run again (its dead leases expire as usual)."""
         return self.set_status(job_id, "running", ("held",), actor)
 
-    def cancel(self: Ledger, job_id: str, actor: str, reason: str = "") -> dict[str, Any]:
+    def cancel(self, job_id: str, actor: str, reason: str = "") -> dict[str, Any]:
         """Cancel for good and void every outstanding lease; cancelling again is a no-op."""
         k = self.keys.job(job_id)
 
@@ -91,7 +93,7 @@ class ControlOps:
         log.info("job cancelled job_id=%s from=%s voided=%s actor=%s", job_id, res[1], res[2], actor)
         return {"cancelled": True, "already": False, "voided_leases": int(res[2])}
 
-    def reopen(self: Ledger, job_id: str, actor: str, only_failed: bool = False) -> int:
+    def reopen(self, job_id: str, actor: str, only_failed: bool = False) -> int:
         """Resume (re-open uncommitted batches) or retry-failed; returns how many were re-opened."""
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
@@ -117,7 +119,7 @@ class ControlOps:
         self.persist_job(job_id)
         return int(res[1])
 
-    def replan(self: Ledger, job_id: str, cursor: Any, actor: str, reason: str) -> dict[str, Any]:
+    def replan(self, job_id: str, cursor: Any, actor: str, reason: str) -> dict[str, Any]:
         """Supersede every uncommitted batch and plan again from ``cursor``."""
         spec = self.spec(job_id)
         k = self.keys.job(job_id)

@@ -15,7 +15,7 @@ from typing import Any
 import redis
 
 from gateway.errors import IdempotencyInFlight, IdempotencyMismatch, InvalidRequest
-from gateway.keys import Keys
+from gateway.ledger.keys import Keys
 
 IN_FLIGHT_TTL = timedelta(minutes=1)
 

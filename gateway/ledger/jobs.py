@@ -10,11 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import chunker
 from gateway.errors import CorruptRecord, FlowVersionMismatch, InvalidRequest, NotFound
-from gateway.flows import FlowRegistry, FlowSpec, validate_source
-from gateway.jobspec import JobSpec, initial_cursor, open_source, probe_source, total_hint
-from gateway.ledger import ABSENT, Ledger
-from gateway.progress import progress_of
-from gateway.records import loads_or_none
+from gateway.ledger.flows import FlowRegistry, FlowSpec, validate_source
+from gateway.ledger.jobspec import JobSpec, initial_cursor, open_source, probe_source, total_hint
+from gateway.ledger.ledger import ABSENT, Ledger
+from gateway.ledger.progress import progress_of
+from gateway.ledger.records import loads_or_none
 
 STATUSES = ("running", "paused", "held", "waiting_human", "succeeded", "failed", "cancelled")
 BATCH_STATUSES = ("pending", "leased", "completed", "failed", "superseded")

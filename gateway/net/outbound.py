@@ -1,6 +1,6 @@
 """The guarded HTTP session every outbound request of batchgate goes through (sources, targets, polls).
 
-:func:`guarded_session` returns a ``requests.Session`` that enforces :mod:`gateway.urlguard` where it
+:func:`guarded_session` returns a ``requests.Session`` that enforces :mod:`gateway.net.urlguard` where it
 matters, on the connection itself:
 
 - **The address checked is the address connected to.** Each new connection resolves its host once, checks
@@ -35,14 +35,14 @@ from urllib3.exceptions import ConnectTimeoutError, NameResolutionError, NewConn
 from urllib3.util.connection import _set_socket_options
 from urllib3.util.timeout import _DEFAULT_TIMEOUT
 
-from gateway.keepalive import (
+from gateway.net.keepalive import (
     IdleLimitPoolMixin,
     ProvenDeliveryMixin,
     fresh_connections,
     replayable,
     undelivered_mark,
 )
-from gateway.urlguard import Allowlist, UnsafeURL, checked_addresses, normal_host
+from gateway.net.urlguard import Allowlist, UnsafeURL, checked_addresses, normal_host
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class GuardedAdapter(HTTPAdapter):
     def send(self, request: requests.PreparedRequest, stream: bool = False, timeout: Any = None,
              verify: Any = True, cert: Any = None, proxies: Any = None) -> requests.Response:
         """Send without any proxy (a proxy would connect where the guard cannot see); a request a reused
-        connection provably did not deliver (gateway.keepalive) goes once more on a new connection."""
+        connection provably did not deliver (gateway.net.keepalive) goes once more on a new connection."""
         try:
             try:
                 return super().send(request, stream=stream, timeout=timeout, verify=verify, cert=cert,

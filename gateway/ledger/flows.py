@@ -22,8 +22,8 @@ from pydantic import (
 import chunker
 import connectors
 from gateway.errors import FlowConflict, InvalidRequest, NotFound
-from gateway.keys import Keys
-from gateway.records import dumps
+from gateway.ledger.keys import Keys
+from gateway.ledger.records import dumps
 from gateway.validation import parse
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"

@@ -16,7 +16,7 @@ from typing import Any
 import redis
 
 from gateway.errors import BatchgateError, Conflict, CorruptRecord, NotFound
-from gateway.ledger import Ledger
+from gateway.ledger.ledger import Ledger
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ OPERATIONS = (
 
 def source(name: str) -> str:
     """The full text of one script: the shared helpers, then the operation."""
-    lua = resources.files("gateway") / "lua"
+    lua = resources.files("gateway.ledger") / "lua"
     return (lua / "lib.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
 
 

@@ -1,0 +1,200 @@
+"""The Flask app factory: blueprints, bearer auth, problem+json errors, body limits."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import traceback
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import redis
+from flask import Flask, Response, g, jsonify, request
+from flask.json.provider import DefaultJSONProvider
+from werkzeug.exceptions import HTTPException
+
+from gateway.api.common import Services, request_services, require_json_type
+from gateway.api.idempotency import IdempotencyStore
+from gateway.errors import (
+    BatchgateError,
+    BodyTooLarge,
+    LedgerUnavailable,
+    RetryableError,
+    Unauthorized,
+)
+from gateway.ledger.flows import FlowRegistry
+from gateway.ledger.jobs import JobService
+from gateway.ledger.ledger import Ledger
+from gateway.settings import Settings
+
+log = logging.getLogger(__name__)
+PROBLEM = "application/problem+json"
+SIGNED_URL_PATHS = ("/v1/callbacks/", "/v1/blobs/")  # authenticated by their signed token
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+LEDGER_RETRY_AFTER = timedelta(seconds=2)  # a Redis restart from its AOF takes about that
+
+
+def create_app(settings: Settings | None = None, client: redis.Redis | None = None) -> Flask:
+    """Build the WSGI app; with no client, connect as settings say (no URL: join a running `up`)."""
+    from gateway.api import callbacks, flows, health, jobs, pull
+    from gateway.ledger.embedded import connect
+    from gateway.push.dispatch import Dispatcher
+
+    settings = settings or Settings()
+    if client is None:
+        client, settings = connect(settings)
+    ledger = Ledger(client, settings)
+    try:
+        ledger.check_digest_agreement()
+        deferred_check = False
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        # Start anyway (answering 503 until the ledger is there) rather than fail the worker's boot,
+        # which would stop gunicorn: the check runs before each request until it has passed once.
+        log.warning("ledger redis unavailable at start (%s); the API answers 503 until it is back",
+                    type(exc).__name__)
+        deferred_check = True
+    registry = FlowRegistry(client, ledger.keys)
+    app = Flask("batchgate")
+    app.json = StrictJSONProvider(app)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.extensions["batchgate"] = Services(
+        settings=settings, redis=client, ledger=ledger, flows=registry,
+        jobs=JobService(ledger, registry),
+        idempotency=IdempotencyStore(client, ledger.keys, settings.idempotency_ttl),
+        dispatcher=Dispatcher.build(settings, ledger) if settings.redis_url else None)
+    for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp):
+        app.register_blueprint(bp)
+    if deferred_check:
+        app.before_request(ledger.check_digest_agreement)  # a no-op once it has passed
+    app.before_request(_authenticate)
+    app.before_request(_json_bodies_only)
+    app.after_request(_no_content_no_type)
+    _register_errors(app)
+    return app
+
+
+class StrictJSONProvider(DefaultJSONProvider):
+    """Responses are strict JSON: a non-finite float (only from data stored before input refused
+    them, or a platform's answer) goes out as null, never as the invalid token NaN or Infinity."""
+
+    def dumps(self, obj: Any, **kwargs: Any) -> str:
+        kwargs["allow_nan"] = False
+        try:
+            return super().dumps(obj, **kwargs)
+        except ValueError:
+            return super().dumps(_finite(obj), **kwargs)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _json_bodies_only() -> None:
+    """415 for any body that is not JSON, on every route (json_body checks again where it reads)."""
+    if request.method not in BODY_METHODS or request.routing_exception is not None:
+        return
+    if request.content_length or "chunked" in request.headers.get("Transfer-Encoding", "").lower():
+        require_json_type()
+
+
+def _no_content_no_type(resp: Response) -> Response:
+    """A 204 (or 304) has no body, so it carries neither Content-Type nor Content-Length."""
+    if resp.status_code in (204, 304):
+        resp.set_data(b"")
+        resp.headers.pop("Content-Type", None)
+        resp.headers.pop("Content-Length", None)
+    return resp
+
+
+def redact_path(path: str) -> str:
+    """``path`` fit for a log line: a signed URL's token (a bearer credential) replaced."""
+    for prefix in SIGNED_URL_PATHS:
+        if path.startswith(prefix):
+            return prefix + "[redacted]"
+    return path
+
+
+def _authenticate() -> None:
+    if not request.path.startswith("/v1/") or request.path.startswith(SIGNED_URL_PATHS):
+        return
+    services: Services = request_services()
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    tenant = None
+    if scheme.lower() == "bearer" and token:
+        for known, name in services.settings.token_map().items():
+            if hmac.compare_digest(known.encode(), token.strip().encode()):
+                tenant = name
+    if tenant is None:
+        raise Unauthorized("a valid bearer token is required (Authorization: Bearer <token>)")
+    g.tenant = tenant
+    g.actor = f"tenant:{tenant}"
+
+
+def problem(status: int, title: str, detail: str, **extra) -> Response:
+    """An RFC 9457 response."""
+    body = {"type": "about:blank", "title": title, "status": status, "detail": detail, **extra}
+    resp = jsonify(body)
+    resp.status_code = status
+    resp.mimetype = PROBLEM
+    return resp
+
+
+def _register_errors(app: Flask) -> None:
+    @app.errorhandler(BatchgateError)
+    def _batchgate(exc: BatchgateError):
+        resp = jsonify(exc.problem())
+        resp.status_code = exc.status
+        resp.mimetype = PROBLEM
+        if isinstance(exc, RetryableError) and exc.retry_after is not None:
+            resp.headers["Retry-After"] = str(max(1, int(exc.retry_after.total_seconds())))
+        if exc.status == 401:
+            resp.headers["WWW-Authenticate"] = 'Bearer realm="batchgate"'
+        return resp
+
+    @app.errorhandler(HTTPException)
+    def _http(exc: HTTPException):
+        """Routing and werkzeug errors (404, 405, 413, ...) as problems, keeping headers such as Allow."""
+        if exc.code == 413:
+            limit = request_services().settings.max_body_bytes
+            return _batchgate(BodyTooLarge(f"the body exceeds the {limit}-byte limit"))
+        resp = problem(exc.code or 500, exc.name, exc.description or exc.name)
+        for name, value in exc.get_headers():
+            if name.lower() not in ("content-type", "content-length"):
+                resp.headers[name] = value
+        return resp
+
+    @app.errorhandler(redis.ConnectionError)  # down, restarting, or loading its AOF (BusyLoadingError)
+    @app.errorhandler(redis.TimeoutError)
+    def _redis_down(exc: Exception):
+        """503 problem with Retry-After; redis-py reconnects on a later request by itself (and the
+        ledger's scripts reload themselves: EVALSHA falls back to SCRIPT LOAD after a restart)."""
+        log.warning("ledger redis unavailable on %s %s: %s", request.method, redact_path(request.path),
+                    type(exc).__name__)
+        return _batchgate(LedgerUnavailable(
+            "the ledger's Redis cannot be reached right now (down, restarting or loading its data); "
+            "retry later",
+            retry_after=LEDGER_RETRY_AFTER))
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception):
+        """500 with an opaque id to quote; the log line has the id, never a signed URL's token."""
+        error_id = uuid.uuid4().hex
+        path = redact_path(request.path)
+        trace = "".join(traceback.format_exception(exc))
+        token = request.path.split("/", 3)[-1] if path != request.path else ""
+        if token:
+            trace = trace.replace(token, "[redacted]")
+        log.error("unhandled %s on %s %s (error %s)\n%s", type(exc).__name__, request.method, path,
+                  error_id, trace.rstrip())
+        return problem(500, "Internal error",
+                       f"an unexpected error occurred; it has been logged as error {error_id}",
+                       instance=f"urn:batchgate:error:{error_id}", error_id=error_id)
