@@ -1,7 +1,7 @@
 """What the stale-connection guard costs per call (gateway/net/keepalive.py).
 
 Sends POSTs to a local no-op platform, one after another, through three sessions in the same run:
-a plain ``requests.Session`` (the baseline), the guarded session with connections reused (the delivery
+a plain ``requests.Session`` with ``trust_env`` off like the guarded one (the baseline), the guarded session with connections reused (the delivery
 proof's TCP_INFO reads and the last-moment readability check on every request), and the guarded session
 with ``keepalive_idle`` 0 (a new connection for every call, what a limit below the idle time costs).
 Rounds interleave the three so that machine noise falls on all of them; the medians are compared.
@@ -66,6 +66,7 @@ def main() -> None:
     url, server = start_platform()
     allow = Allowlist.parse(["127.0.0.1/32"])
     plain, guarded, fresh = requests.Session(), guarded_session(allow), guarded_session(allow)
+    plain.trust_env = False  # as the guarded session: no proxy or .netrc lookups on every request
     cases = {"plain requests.Session": (plain, None), "guarded, reused": (guarded, None),
              "guarded, keepalive_idle 0": (fresh, 0.0)}
     for session, limit in cases.values():  # warm up: connections, imports
