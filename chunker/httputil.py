@@ -7,12 +7,11 @@ outbound addresses and redirects (gateway.net.outbound); standalone use gets a p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import requests
+import urllib3
 
 from chunker.errors import SourceReadError
 
@@ -39,20 +38,17 @@ def origin(url: str) -> tuple[str, str, int | None]:
 
 
 def retry_after_seconds(value: str | None) -> float | None:
-    """Parses a Retry-After header (delta-seconds or HTTP-date) into seconds from now."""
+    """A Retry-After header (delta-seconds, or an HTTP date, which is always GMT) in seconds from now;
+    None when absent or not valid. Parsed by urllib3, as connectors.base does."""
     if not value:
         return None
     try:
-        return max(0.0, float(value.strip()))
-    except ValueError:
-        pass
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+        return float(_RETRY_AFTER.parse_retry_after(value))
+    except urllib3.exceptions.InvalidHeader:
         return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
+_RETRY_AFTER = urllib3.util.Retry()
 
 
 def request_error(exc: requests.RequestException, url: str) -> SourceReadError:

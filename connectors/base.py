@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import requests
+import urllib3
 
 ENVELOPE_FIELDS = ("job_id", "seq", "stage", "attempt", "idempotency_key", "cursor", "items",
                    "items_url", "input", "params", "callback_url")
@@ -212,19 +213,18 @@ def encode(payload: Any) -> bytes:
 
 
 def retry_after_s(resp: requests.Response) -> float | None:
-    """Retry-After in seconds (delta-seconds or HTTP date), or None."""
+    """Retry-After in seconds from now (delta-seconds, or an HTTP date, which is always GMT), or None when
+    absent or not valid. Parsed by urllib3, as chunker.httputil does."""
     value = resp.headers.get("Retry-After")
     if not value:
         return None
     try:
-        return max(0.0, float(value))
-    except ValueError:
-        from email.utils import parsedate_to_datetime
+        return float(_RETRY_AFTER.parse_retry_after(value))
+    except urllib3.exceptions.InvalidHeader:
+        return None
 
-        try:
-            return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
-        except (TypeError, ValueError):
-            return None
+
+_RETRY_AFTER = urllib3.util.Retry()
 
 
 def classify_http(resp: requests.Response, *, poll: bool = False) -> Retry:
