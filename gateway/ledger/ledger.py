@@ -27,8 +27,9 @@ from gateway.errors import (
     StaleLease,
 )
 from gateway.ledger.control import ControlOps
-from gateway.ledger.jobspec import FILE_TYPES, JobSpec, RedisListView, open_source
+from gateway.ledger.jobspec import JobSpec, RedisListView
 from gateway.ledger.keys import JobKeys, Keys
+from gateway.ledger.planner import batches_per_plan, cut_batches
 from gateway.ledger.records import digest, dumps, intact, loads_or_none, seal
 from gateway.ledger.scripts import Scripts
 from gateway.settings import Settings
@@ -277,13 +278,8 @@ class Ledger(ControlOps):
         return [idx]
 
     def _plan_ahead(self, spec: JobSpec) -> int:
-        """How many batches one plan cuts: ``plan_ahead`` where reading ahead is cheap (inline items, a
-        sequence, a local file), one where every read is a request (URLs, paged APIs) or where the first
-        stage fetches the items itself."""
-        src = spec.source
-        if src["type"] in ("inline", "sequence") or (src["type"] in FILE_TYPES and not src.get("url")):
-            return max(1, self.plan_ahead)
-        return 1
+        """How many batches one plan cuts (planner.batches_per_plan)."""
+        return batches_per_plan(spec, self.plan_ahead)
 
     def _plan(self, spec: JobSpec, k: JobKeys, res: list, holder: str, token: str, ahead: int,
               lease_ms: int | None) -> Lease | None:
@@ -325,40 +321,21 @@ class Ledger(ControlOps):
 
     def _read_ahead(self, spec: JobSpec, k: JobKeys, frontier: str, ahead: int,
                     window: tuple[int, list[str]] | None) -> list[tuple[str, str, str, int]]:
-        """Up to ``ahead`` consecutive batches from the frontier, as plan.lua's (end cursor, exhausted,
-        items, count) quadruples; [] when the first read failed and the job was failed for it.
+        """Up to ``ahead`` batches from the frontier, cut by the planner (planner.cut_batches); [] when the
+        first read failed and the job was failed for it (source_fail.lua).
 
-        A failure after the first batch only ends the read: the batches before it are planned, and the
-        failure is met (and counted) by the plan that starts there. Inline items come from ``window``
-        (the src list's length and its items from the frontier on, read by lease.lua) without another
-        round trip; reading ahead stops where the window ends.
+        The ledger's part is Redis only: inline items are read from the job's src list, through the
+        ``window`` lease.lua already read (its length and its items from the frontier on) where there is
+        one, so the planner reads them without another round trip.
         """
         cursor = loads_or_none(frontier)
-        max_items, max_bytes = spec.flow.batching.max_items, spec.flow.batching.max_bytes
         inline: RedisListView | WindowedListView | None = None
         if spec.source["type"] == "inline":
             offset = cursor.get("offset") if isinstance(cursor, dict) else None
             inline = (WindowedListView(self.r, k.src, window[0], offset, window[1])
                       if window is not None and isinstance(offset, int) else RedisListView(self.r, k.src))
-        out: list[tuple[str, str, str, int]] = []
         try:
-            source = open_source(spec.source, inline_items=inline, settings=self.settings, tenant=spec.tenant)
-            while len(out) < ahead:
-                if out and isinstance(inline, WindowedListView) and not inline.covers(cursor, max_items):
-                    break
-                try:
-                    batch = source.read_batch(cursor, max_items=max_items, max_bytes=max_bytes)
-                except (chunker.SourceReadError, chunker.SourceSpecError):
-                    if not out:
-                        raise
-                    break
-                if out and not batch.items:
-                    break
-                out.append((dumps(batch.end_cursor), "1" if batch.end_cursor is None else "0",
-                            dumps(batch.items), len(batch.items)))
-                if batch.end_cursor is None:
-                    break
-                cursor = batch.end_cursor
+            return cut_batches(spec, cursor, ahead, inline, self.settings)
         except chunker.SourceReadError as exc:
             # a file removed or an API down may come back: retried under the policy, then the job fails
             self._source_failed(spec, k, str(exc), True, getattr(exc, "retry_after_s", None))
@@ -366,7 +343,6 @@ class Ledger(ControlOps):
         except chunker.SourceSpecError as exc:
             self._source_failed(spec, k, f"bad cursor or source: {exc}", False, None)
             return []
-        return out
 
     def _source_failed(self, spec: JobSpec, k: JobKeys, message: str, retryable: bool,
                        retry_after_s: float | None) -> None:
