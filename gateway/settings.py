@@ -189,13 +189,18 @@ class Settings(BaseSettings):
         if self.tokens:
             return dict(self.tokens)
         if self._dev_tokens is None:
-            path = Path(self.data_dir) / DEV_TOKEN_FILE
-            try:
-                token = path.read_text().strip()
-            except OSError:
+            token = self.dev_token()
+            if token is None:
                 return {}  # not created yet: looked for again on the next request
             self._dev_tokens = {token: "default"} if token else {}
         return dict(self._dev_tokens)
+
+    def dev_token(self) -> str | None:
+        """The development token kept in ``data_dir`` by ``up`` or ``serve``, None before it exists."""
+        try:
+            return (Path(self.data_dir) / DEV_TOKEN_FILE).read_text().strip()
+        except OSError:
+            return None
 
     def base_url(self) -> str:
         """Where platforms reach this gateway."""

@@ -15,16 +15,16 @@ Two parts, both in the guarded session (gateway.net.outbound):
    target's ``keepalive_idle`` (seconds; :data:`DEFAULT_IDLE_S` when unset; 0 = a new connection for every
    request), and never longer than the server's own ``Keep-Alive: timeout=N`` hint minus
    :data:`HINT_MARGIN_S` (as undici does). Below the server's timeout the race cannot happen.
-2. **Proof of non-delivery, and one retry.** For each request on a connection, the connection notes
-   the peer's acknowledged byte count from Linux ``TCP_INFO`` (``tcpi_bytes_acked``) before writing. When the
-   request then fails before any answer, it reads the count again before the socket closes: unchanged
-   means the peer's TCP never accepted a byte of this request (its kernel answered with a reset, not an
-   acknowledgement), so no application read it and nothing ran. Such a failure is marked
-   (:data:`NOT_DELIVERED`) on the exception; on a *reused* connection the request is sent once more on a
-   fresh connection (Go's transport also retries only on a reused connection); anywhere else the
-   connectors class it as never sent (an outage, no attempt spent). Where ``TCP_INFO`` is missing (not
-   Linux) nothing is marked and the old, cautious classes apply. docs/design.md ("Stale connections")
-   compares this with what Go's transport and urllib3 do.
+2. **Proof of non-delivery, and one retry.** Before writing a request, the connection reads Linux
+   ``TCP_INFO`` (bytes the peer acknowledged and received, state). When the request fails before any
+   answer, it reads it again before the socket closes (:func:`delivery_verdict`): a reset with not one
+   byte of the request acknowledged, or a reset with no FIN after bytes were acknowledged (the server
+   closed its socket with them unread), means no application read the request and nothing ran. Such a
+   failure is marked (:data:`NOT_DELIVERED`) on the exception; on a *reused* connection the request is
+   sent once more on a fresh connection (Go's transport also retries only on a reused connection);
+   anywhere else the connectors class it as never sent (an outage, no attempt spent). Where ``TCP_INFO``
+   is missing (not Linux) nothing is marked and the old, cautious classes apply. docs/design.md
+   ("Stale connections") compares this with what Go's transport and urllib3 do.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 from urllib3.util.wait import wait_for_read
 
-from connectors.transport import NOT_DELIVERED, undelivered_mark  # noqa: F401 (re-exported)
+from connectors.transport import NOT_DELIVERED
 
 log = logging.getLogger(__name__)
 

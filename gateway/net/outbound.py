@@ -35,13 +35,8 @@ from urllib3.exceptions import ConnectTimeoutError, NameResolutionError, NewConn
 from urllib3.util.connection import _set_socket_options
 from urllib3.util.timeout import _DEFAULT_TIMEOUT
 
-from gateway.net.keepalive import (
-    IdleLimitPoolMixin,
-    ProvenDeliveryMixin,
-    fresh_connections,
-    replayable,
-    undelivered_mark,
-)
+from connectors.transport import undelivered_mark
+from gateway.net.keepalive import IdleLimitPoolMixin, ProvenDeliveryMixin, fresh_connections, replayable
 from gateway.net.urlguard import Allowlist, UnsafeURL, checked_addresses, normal_host
 
 log = logging.getLogger(__name__)

@@ -119,11 +119,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             redis_url = embedded.url
         else:
             redis_url = settings.redis_url.get_secret_value()
-        tokens = settings.token_map()
-        if not settings.tokens:
-            tokens = {procs.dev_token(settings.data_dir): "default"}
-            print(f"batchgate: no BATCHGATE_TOKENS set; a development token for tenant 'default' is "
-                  f"in {(settings.data_dir / procs.TOKEN_FILE).resolve()}")
+        tokens = procs.tokens_or_dev_token(settings)
         env = procs.child_env(settings, redis_url, tokens)
         env["BATCHGATE_PORT"] = str(port)
         env.setdefault("BATCHGATE_PUBLIC_URL", f"http://{host}:{port}")
@@ -171,10 +167,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = Settings()
     connect(settings)[0].close()  # NoLedgerRedis now, not once per gunicorn worker
-    if not settings.token_map():  # as `up` does: beside it, the same data folder gives the same token
-        procs.dev_token(settings.data_dir)
-        print(f"batchgate: no BATCHGATE_TOKENS set; a development token for tenant 'default' is in "
-              f"{(settings.data_dir / procs.TOKEN_FILE).resolve()}", file=sys.stderr)
+    procs.tokens_or_dev_token(settings)  # gunicorn's workers read them through Settings.token_map()
     port = args.port or settings.port
     # gateway/runtime/gunicorn_conf.py: workers give the port back at once if this master is SIGKILLed, so
     # `serve` can be started again right away

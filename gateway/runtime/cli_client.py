@@ -13,7 +13,7 @@ from typing import Any
 import requests
 import yaml
 
-from gateway.settings import DEV_TOKEN_FILE, Settings
+from gateway.settings import Settings
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -88,8 +88,7 @@ def default_token(settings: Settings) -> str | None:
     token = os.environ.get("BATCHGATE_TOKEN")
     if token:
         return token
-    path = Path(settings.data_dir) / DEV_TOKEN_FILE
-    return path.read_text().strip() if path.exists() else None
+    return settings.dev_token()
 
 
 def client_from(args: argparse.Namespace) -> Client:

@@ -40,6 +40,17 @@ def dev_token(data_dir: Path) -> str:
     return token
 
 
+def tokens_or_dev_token(settings: Settings) -> dict[str, str]:
+    """``BATCHGATE_TOKENS``, else the development token of tenant ``default`` (created on first use, its
+    path printed): ``up`` and a ``serve`` beside it on the same data folder take the same token."""
+    if settings.tokens:
+        return dict(settings.tokens)
+    token = dev_token(settings.data_dir)
+    print(f"batchgate: no BATCHGATE_TOKENS set; a development token for tenant 'default' is in "
+          f"{(Path(settings.data_dir) / TOKEN_FILE).resolve()}", flush=True)
+    return {token: "default"}
+
+
 #: Environment variables that hold credentials (settings.CREDENTIAL_FIELDS, the CLI's bearer token, a
 #: parent's own config file): a child never inherits them, it reads its credentials from its config file.
 CREDENTIAL_ENV = frozenset({*(f"BATCHGATE_{name.upper()}" for name in CREDENTIAL_FIELDS),
