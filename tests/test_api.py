@@ -634,6 +634,30 @@ def test_retryable_failure_is_retried_not_failed(api):
     assert_problem(again, 409, "stale-lease")
 
 
+def test_a_job_that_succeeded_within_its_budget_can_retry_its_failed_batches(api):
+    """Issue 15: the budget let the job succeed, but the failed batch's items were never stored."""
+    register(api, count=8, stages=("only",), tolerated_failure_percentage=50)
+    job_id = create_job(api)["job_id"]
+    env = lease(api, job_id)
+    failed = api.post(f"/v1/jobs/{job_id}/batches/{env['seq']}/fail", json={
+        "lease_token": env["lease_token"], "error": {"message": "bad row", "retryable": False}})
+    assert failed.json()["outcome"] == "failed"
+    drain(api, job_id)
+    view = job(api, job_id)
+    assert (view["status"], view["items_done"], view["retryable_failed"]) == ("succeeded", 6, 1)
+
+    retried = api.post(f"/v1/jobs/{job_id}/retry-failed")
+    assert retried.status_code == 200, retried.text
+    assert (retried.json()["reopened"], retried.json()["status"]) == (1, "running")
+    again = drain(api, job_id)
+    assert [(e["seq"], e["items"] or e["cursor"]) for e in again][:1] == [(env["seq"], env["items"] or env["cursor"])]
+    view = job(api, job_id)
+    assert (view["status"], view["items_done"], view["batches"]["failed"], view["retryable_failed"]) == (
+        "succeeded", 8, 0, 0)
+    audit = [e["event"] for e in api.get(f"/v1/jobs/{job_id}/audit").json()["entries"]]
+    assert audit.count("retry_failed") == 1
+
+
 def test_retry_failed_on_a_succeeded_job_leaves_it_succeeded(api):
     register(api, stages=("only",))
     job_id = create_job(api)["job_id"]

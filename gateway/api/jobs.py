@@ -127,4 +127,6 @@ def retry_failed(job_id: str):
     spec = services.jobs.owned_spec(g.tenant, job_id)
     services.jobs.check_flow_version(spec)
     reopened = services.ledger.reopen(job_id, g.actor, only_failed=True)
+    if reopened and services.dispatcher is not None and any(s.target for s in spec.flow.stages):
+        services.dispatcher.kick(job_id)
     return jsonify({**services.jobs.view(g.tenant, job_id), "reopened": reopened})

@@ -116,6 +116,8 @@ class ControlOps:
             raise Conflict(f"job {job_id} has succeeded; name a cursor to run part of it again",
                            job_status="succeeded")
         self._control_result(res, job_id, "retry failed batches" if only_failed else "be resumed")
+        if res[2] == "succeeded" and int(res[1]) == 0:
+            return 0  # a succeeded job with nothing failed: unchanged, its retention stands
         self.persist_job(job_id)
         return int(res[1])
 

@@ -88,10 +88,7 @@ class JobService:
     def view(self, tenant: str, job_id: str) -> dict[str, Any]:
         """Status, committed cursor, batch counts, progress, rate and ETA."""
         spec = self.owned_spec(tenant, job_id)
-        job = self.ledger.job_fields(job_id)
-        r = self.ledger.r
-        k = self.ledger.keys.job(job_id)
-        leased = r.zcard(k.leases)
+        job, leased = self.ledger.job_and_leases(job_id)
         done, total = int(job["items_done"]), spec.total_hint
         created, updated = int(job["created_ms"]), int(job["updated_ms"])
         elapsed_s = max((updated - created) / 1000, 1e-3)
@@ -115,6 +112,8 @@ class JobService:
                         "completed": int(job["n_done"]),
                         "failed": int(job["n_failed"]), "open": int(job["n_open"]),
                         "leased": leased},
+            # succeeded within its failure budget, with batches whose items were never stored
+            "retryable_failed": int(job["n_failed"]) if job["status"] == "succeeded" else 0,
             "items_done": done,
             "items_total": total,
             "progress": None if not total else round(position / total, 4),

@@ -150,8 +150,20 @@ class Ledger(ControlOps):
 
     def job_fields(self, job_id: str) -> dict[str, str]:
         """The job hash, checked against its checksum; a corrupt one is marked."""
+        return self._checked_job(job_id, self.r.hgetall(self.keys.job(job_id).job))
+
+    def job_and_leases(self, job_id: str) -> tuple[dict[str, str], int]:
+        """The job hash (checked) and its number of leased batches, read at one instant (MULTI): a
+        view never shows a lease of a batch its counters do not hold yet."""
         k = self.keys.job(job_id)
-        fields = self.r.hgetall(k.job)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hgetall(k.job)
+        pipe.zcard(k.leases)
+        fields, leased = pipe.execute()
+        return self._checked_job(job_id, fields), int(leased)
+
+    def _checked_job(self, job_id: str, fields: dict[str, str]) -> dict[str, str]:
+        k = self.keys.job(job_id)
         if not fields:
             raise NotFound(f"job {job_id} not found")
         if not intact(fields):

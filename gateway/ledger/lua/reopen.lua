@@ -12,8 +12,9 @@
 -- Invariant 3: committed batches and committed stages are never re-opened; a re-opened batch resumes
 -- from its recorded start cursor at the first stage it has not committed. Counters move with each
 -- batch's own status change (failed -> pending: n_failed - 1, n_open + 1; leased -> pending: no change).
--- A cancelled job is final; a succeeded one resumes only by cursor (replan): resume and retry-failed
--- are both refused, even with failed batches the budget tolerated; a paused one just runs.
+-- A cancelled job is final. A succeeded one resumes only by cursor (replan), but retry-failed re-opens
+-- the failed batches its failure budget tolerated (their items were never stored) and runs it again;
+-- with none failed it answers 0 and the job stays succeeded. A paused one just runs.
 -- Batches planned after the caller read the window are pending already, so nothing is missed; for
 -- retry_failed the failed set must still be what the caller read ('raced' otherwise).
 local job = load(KEYS[1])
@@ -23,7 +24,7 @@ local mode = ARGV[4]
 local status = job['status']
 if status == 'cancelled' then return {'refused', status} end
 local now = now_ms()
-if status == 'succeeded' then return {'refused', status} end
+if status == 'succeeded' and mode == 'resume' then return {'refused', status} end
 if mode == 'resume' and status == 'paused' then
   save(KEYS[1], job, {status = 'running', updated_ms = int(now)})
   log(KEYS[4], ARGV[2], {'event', 'job_resumed', 'from', status, 'reopened', '0', 'actor', ARGV[3]})
@@ -52,9 +53,11 @@ for i = 8, #ARGV do
     todo[#todo + 1] = {key = key, seq = seq, batch = batch, was = was}
   end
 end
+if status == 'succeeded' and #todo == 0 then return {'ok', '0', status} end  -- nothing lost: unchanged
 local chg = {n_failed = int(n_failed), n_open = int(n_open), updated_ms = int(now)}
 -- resume always runs the job again; retry-failed only when it re-opened something, and never unpauses
-if (mode == 'resume' or #todo > 0) and (status == 'running' or status == 'failed' or status == 'held') then
+if (mode == 'resume' or #todo > 0) and (status == 'running' or status == 'failed' or status == 'held'
+    or status == 'succeeded') then
   chg['status'] = 'running'
   chg['finished_ms'] = ''
   chg['error'] = ''
