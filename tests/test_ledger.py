@@ -30,7 +30,10 @@ def test_store_stage_gets_previous_output_and_stable_idempotency_key(ledger, mak
     assert (second.seq, second.stage) == (first.seq, "store")
     assert second.input == {"scores": [1, 2]}
     assert second.items == first.items
-    assert second.idempotency_key == f"{job_id}:{first.seq}:store"
+    assert second.idempotency_key.startswith(f"{job_id}:store:")
+    assert first.idempotency_key.startswith(f"{job_id}:score:")
+    again = ledger.lease(job_id)
+    assert again.idempotency_key != second.idempotency_key  # another batch, another range
 
 
 def test_stale_token_gets_409_and_changes_nothing(ledger, jobs, make_job):

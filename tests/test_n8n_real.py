@@ -281,10 +281,10 @@ class Example:
             score_out, store_out = (detail["stages"][name]["output"] for name in ("score", "store"))
             scores.update(score_out["scores"])
             assert store_out["stored"] == len(score_out["scores"]), detail
-            assert store_out["idempotency_key"] == f"{job_id}:{summary['seq']}:store"
+            assert store_out["idempotency_key"].startswith(f"{job_id}:store:r")
         assert scores == {r["id"]: expected_score(r) for r in resumes}
         if self.local:  # the store workflow wrote one record per batch, named by its Idempotency-Key
-            files = sorted(STORE_DIR.glob(f"{job_id}_*_store.json"))
+            files = sorted(STORE_DIR.glob(f"{job_id}_store_*.json"))
             assert len(files) == len(batches)
             stored: dict[str, int] = {}
             for path in files:

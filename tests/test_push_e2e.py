@@ -126,7 +126,10 @@ def test_flaky_platform_and_killed_workers_store_every_batch_exactly_once(
     assert job["status"] == "succeeded", job
     assert job["items_done"] == batches * 2
     assert stats["stored_keys"] == batches  # one stored result per batch, by idempotency key
-    assert set(platform.stored) == {f"{job_id}:{seq}:store" for seq in range(batches)}
+    ranges = [ledger.batch_record(job_id, seq) for seq in range(batches)]
+    assert set(platform.stored) == {
+        ledger.spec(job_id).stage_key(seq, "store", json.loads(b["start_cursor"]), json.loads(b["end_cursor"]))
+        for seq, b in enumerate(ranges)}
     log = redis_client.xrange(ledger.keys.job(job_id).log)
     commits = [(f["seq"], f["stage"]) for _, f in log if f["event"] == "stage_completed"]
     assert len(commits) == len(set(commits)) == batches * 2  # no stage committed twice

@@ -276,7 +276,7 @@ def test_lease_ok_returns_fields_and_moves_batch_to_leases(job):
     assert res[0] == "ok" and res[1] == "1"
     deadline = int(res[2])
     assert before + 30_000 <= deadline <= after + 30_000
-    assert res[3:] == [cursor(0), cursor(3), "[0,1,2]", ""]
+    assert res[3:] == [cursor(0), cursor(3), "[0,1,2]", "", "0"]  # ..., input, generation
     batch = j.batch(seq)
     assert pick(batch, "status", "attempt", "lease_token", "deadline_ms", "st:0") == (
         "leased", "1", "tok-1", str(deadline), "running")
@@ -292,7 +292,7 @@ def test_lease_of_second_stage_returns_previous_output_as_input(ledger, job):
     assert complete(j, 0, first.lease_token, {"scores": [1]})[0] == "ok"
     res = lease(j, 0, "tok-2", stage=1)
     assert res[0] == "ok" and res[1] == "1"  # the attempt counts per stage
-    assert res[5:] == ['[0,1,2]', '{"scores":[1]}']
+    assert res[5:] == ['[0,1,2]', '{"scores":[1]}', "0"]
     assert j.batch(0)["st:1"] == "running"
 
 
@@ -415,7 +415,7 @@ def test_plan_ahead_cuts_chained_batches_and_leases_the_first(job):
                                       ("null", "1", [6, 7, 8, 9])], token="tok", holder="me", lease_ms=5_000)
     assert res[:4] == ["ok", "0", "3", "1"]
     assert before + 5_000 <= int(res[4]) <= math.ceil(now_ms()) + 5_000
-    assert res[5:] == [cursor(0), cursor(3), "[0,1,2]"]
+    assert res[5:] == [cursor(0), cursor(3), "[0,1,2]", "0"]  # ..., items, generation
     assert not j.r.exists(j.k.plan_lock)
     assert pick(j.batch(0), "status", "attempt", "lease_token", "st:0") == ("leased", "1", "tok", "running")
     assert [pick(j.batch(s), "status", "start_cursor", "end_cursor", "n_items") for s in (1, 2)] == [

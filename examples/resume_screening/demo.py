@@ -212,7 +212,7 @@ class Demo:
 
     def cut_off(self, batches: list[dict]) -> list[int]:
         if self.mode == "push":  # scoring runs the platform is still on: nobody will take their answer
-            return sorted(seq_of(r["idempotency_key"]) for r in self.platform_stats()["in_flight_runs"])
+            return sorted(r["seq"] for r in self.platform_stats()["in_flight_runs"])
         return sorted(b["seq"] for b in batches if b["status"] == "leased" and b["stage"] == "score")
 
     def paid_by_first_run(self) -> int:
@@ -231,9 +231,9 @@ class Demo:
         if self.mode == "push":
             stats = self.platform_stats()
             paid = Counter(stats["scored"])
-            for key, scores in requests.get(f"{self.platform}/stored", timeout=5).json().items():
-                stored.update(scores.keys())
-                batch_of.update({rid: seq_of(key) for rid in scores})
+            for record in requests.get(f"{self.platform}/stored", timeout=5).json().values():
+                stored.update(record["scores"].keys())
+                batch_of.update({rid: record["seq"] for rid in record["scores"]})
             return paid, batch_of, stored, stats["store_repeats"]
         calls = read_lines(self.work / "model_calls.jsonl")
         paid = Counter(c["resume"] for c in calls)
@@ -297,11 +297,6 @@ def kill_worker(worker: subprocess.Popen) -> None:
             os.killpg(os.getpgid(pid), signal.SIGKILL)
     os.killpg(worker.pid, signal.SIGKILL)
     worker.wait()
-
-
-def seq_of(idempotency_key: str) -> int:
-    """``<job>:<seq>:<stage>`` -> seq."""
-    return int(idempotency_key.rsplit(":", 2)[1])
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ GET  /stats       what happened, from the platform's own records: calls per path
                   (``model_calls``, ``scored`` per resume), scoring runs per batch idempotency key
                   (``score_runs``), the scoring runs going on right now (``in_flight``,
                   ``in_flight_runs``), stored keys and repeated stores.
-GET  /stored      the stored scores by idempotency key.
+GET  /stored      the stored scores by idempotency key: {key: {"seq": batch seq, "scores": {...}}}.
 
 Knobs make it unreliable on purpose: ``fail_rate`` (HTTP 500 "Error in workflow"), ``drop_rate``
 (accept, never call back), ``duplicate_rate`` (call back twice), ``delay_s`` per resume.
@@ -60,7 +60,7 @@ class StandInPlatform:
         self.model_calls = 0
         self.scored: Counter = Counter()
         self.score_runs: Counter = Counter()
-        self.running: dict[int, tuple[str, float]] = {}
+        self.running: dict[int, tuple[str, Any, float]] = {}
         self.run_ids = itertools.count()
         self.stored: dict[str, Any] = {}
         self.store_repeats = 0
@@ -87,8 +87,8 @@ class StandInPlatform:
     def stats(self) -> dict[str, Any]:
         with self.lock:
             now = time.monotonic()
-            runs = [{"idempotency_key": key, "running_s": round(now - started, 3)}
-                    for key, started in self.running.values()]
+            runs = [{"idempotency_key": key, "seq": seq, "running_s": round(now - started, 3)}
+                    for key, seq, started in self.running.values()]
             return {"calls": dict(self.calls), "model_calls": self.model_calls, "scored": dict(self.scored),
                     "score_runs": dict(self.score_runs), "in_flight": len(runs), "in_flight_runs": runs,
                     "stored_keys": len(self.stored), "store_repeats": self.store_repeats}
@@ -111,7 +111,7 @@ class StandInPlatform:
         with self.lock:
             run_id = next(self.run_ids)
             key = str(env.get("idempotency_key", ""))
-            self.running[run_id] = (key, time.monotonic())
+            self.running[run_id] = (key, env.get("seq"), time.monotonic())
             self.score_runs[key] += 1
             return run_id
 
@@ -159,7 +159,7 @@ class StandInPlatform:
             if repeat:
                 self.store_repeats += 1
             else:
-                self.stored[key] = scores
+                self.stored[key] = {"seq": env.get("seq"), "scores": scores}
         return 200, {"status": "succeeded", "output": {"stored": len(scores), "repeat": repeat}}
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:

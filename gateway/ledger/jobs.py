@@ -72,7 +72,7 @@ class JobService:
         spec = JobSpec(job_id=new_job_id(), tenant=tenant, flow=flow, flow_hash=record["hash"],
                        source=source, params=req.params,
                        total_hint=total_hint(source, len(inline) if inline is not None else None),
-                       total_bytes=total_bytes)
+                       total_bytes=total_bytes, key_scheme="range")
         self.ledger.create_job(spec, initial_cursor(source, len(inline or ())), inline)
         return self.view(tenant, spec.job_id)
 

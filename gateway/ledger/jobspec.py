@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -25,6 +26,11 @@ PROBE_TIMEOUT_S = 10.0
 FILE_TYPES = ("jsonl", "csv")
 
 
+def idempotency_key(job_id: str, seq: int, stage: str) -> str:
+    """The key of jobs recorded before range keys (``key_scheme`` "seq"): the same on every attempt."""
+    return f"{job_id}:{seq}:{stage}"
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """What a job runs; written once at creation and checksummed like every record."""
@@ -37,6 +43,10 @@ class JobSpec:
     params: dict[str, Any]
     total_hint: int | None
     total_bytes: int | None = None  # size of a jsonl/csv source when known at creation
+    #: how stage idempotency keys are made: "range" (per item range, stable across re-plans) for jobs
+    #: created since issue 15; "seq" (``<job>:<seq>:<stage>``) for jobs recorded before, so a batch in
+    #: flight across the upgrade keeps the key its platform already saw
+    key_scheme: str = "seq"
 
     @property
     def stage_count(self) -> int:
@@ -60,6 +70,15 @@ class JobSpec:
                 return i
         return None
 
+    def stage_key(self, seq: int, stage: str, cursor: Any, end_cursor: Any) -> str:
+        """The idempotency key of one batch stage: the same on every attempt and, for the same item
+        range (start and end cursor), across re-plans (a rewind), so a store flow that deduplicates by it
+        never stores an item range twice. The rewind's ``generation`` travels beside it."""
+        if self.key_scheme != "range":
+            return idempotency_key(self.job_id, seq, stage)
+        digest = hashlib.sha256(dumps([cursor, end_cursor]).encode()).hexdigest()[:24]
+        return f"{self.job_id}:{stage}:r{digest}"
+
     def to_fields(self) -> dict[str, str]:
         return {
             "job_id": self.job_id,
@@ -70,6 +89,7 @@ class JobSpec:
             "params": dumps(self.params),
             "total_hint": "" if self.total_hint is None else str(self.total_hint),
             "total_bytes": "" if self.total_bytes is None else str(self.total_bytes),
+            "key_scheme": self.key_scheme,
         }
 
     @classmethod
@@ -84,6 +104,7 @@ class JobSpec:
             params=json.loads(fields["params"]),
             total_hint=int(hint) if hint else None,
             total_bytes=int(size) if size else None,  # absent in records written before it existed
+            key_scheme=fields.get("key_scheme") or "seq",  # likewise
         )
 
 

@@ -58,10 +58,8 @@ class Lease:
     params: dict[str, Any]
     lease_token: str
     lease_deadline_ms: int
-
-    @property
-    def idempotency_key(self) -> str:
-        return idempotency_key(self.job_id, self.seq, self.stage)
+    idempotency_key: str  # JobSpec.stage_key: stable per item range across attempts and re-plans
+    generation: int = 0  # how many times the job was re-planned from a cursor before this batch
 
     def envelope(self) -> dict[str, Any]:
         """The public, stable JSON envelope (README: pull mode)."""
@@ -72,6 +70,7 @@ class Lease:
             "stage_index": self.stage_index,
             "attempt": self.attempt,
             "idempotency_key": self.idempotency_key,
+            "generation": self.generation,
             "cursor": self.cursor,
             "end_cursor": self.end_cursor,
             "items": self.items,
@@ -80,11 +79,6 @@ class Lease:
             "lease_token": self.lease_token,
             "lease_deadline": _iso(self.lease_deadline_ms),
         }
-
-
-def idempotency_key(job_id: str, seq: int, stage: str) -> str:
-    """The same on every attempt of a stage: what platforms deduplicate side effects by."""
-    return f"{job_id}:{seq}:{stage}"
 
 
 def _iso(ms: int) -> str:
@@ -236,9 +230,9 @@ class Ledger(ControlOps):
             res = self.scripts.lease(keys=keys, args=[token, *fixed, holder, PLAN_LOCK_MS, prefetch, *pairs])
             tag = res[0]
             if tag == "ok":
-                _, seq, idx, attempt, deadline, start, end, items, prev = res
+                _, seq, idx, attempt, deadline, start, end, items, prev, gen = res
                 return self._lease_from(spec, int(idx), token, int(seq), attempt, deadline, start, end,
-                                        items, prev)
+                                        items, prev, gen)
             if tag in ("none", "busy", "status"):
                 return None
             if tag == "corrupt":
@@ -323,8 +317,9 @@ class Ledger(ControlOps):
         if out[0] == "ok":
             log.info("batches planned job_id=%s seq=%s count=%s", spec.job_id, out[1], out[2])
             if len(out) > 3:
-                _, seq, _, attempt, deadline, start, end, items = out
-                return self._lease_from(spec, 0, token, int(seq), attempt, deadline, start, end, items, "")
+                _, seq, _, attempt, deadline, start, end, items, gen = out
+                return self._lease_from(spec, 0, token, int(seq), attempt, deadline, start, end, items, "",
+                                        gen)
             return None
         if out[0] == "corrupt":
             raise CorruptRecord(f"job {spec.job_id} failed its checksum; it will not run")
@@ -374,11 +369,13 @@ class Ledger(ControlOps):
 
     @staticmethod
     def _lease_from(spec: JobSpec, idx: int, token: str, seq: int, attempt: Any, deadline: Any, start: str,
-                    end: str, items: str, prev: str) -> Lease:
-        return Lease(job_id=spec.job_id, seq=seq, stage=spec.flow.stages[idx].name, stage_index=idx,
-                     attempt=int(attempt), cursor=loads_or_none(start), end_cursor=loads_or_none(end),
+                    end: str, items: str, prev: str, gen: str) -> Lease:
+        name, cursor, end_cursor = spec.flow.stages[idx].name, loads_or_none(start), loads_or_none(end)
+        return Lease(job_id=spec.job_id, seq=seq, stage=name, stage_index=idx,
+                     attempt=int(attempt), cursor=cursor, end_cursor=end_cursor,
                      items=loads_or_none(items), input=loads_or_none(prev), params=spec.params,
-                     lease_token=token, lease_deadline_ms=int(deadline))
+                     lease_token=token, lease_deadline_ms=int(deadline),
+                     idempotency_key=spec.stage_key(seq, name, cursor, end_cursor), generation=int(gen or 0))
 
     def heartbeat(self, job_id: str, seq: int, token: str, progress: Any = ABSENT,
                   extend_ms: int | None = None, actor: str = "worker") -> dict[str, Any]:

@@ -50,7 +50,7 @@ from gateway.errors import BatchgateError, JobCancelled, NotFound, RunTooLong, S
 from gateway.ledger.embedded import client_for
 from gateway.ledger.flows import Stage
 from gateway.ledger.jobspec import JobSpec
-from gateway.ledger.ledger import ABSENT, Lease, Ledger, idempotency_key
+from gateway.ledger.ledger import ABSENT, Lease, Ledger
 from gateway.ledger.records import dumps, loads_or_none
 from gateway.net.keepalive import idle_limit
 from gateway.net.outbound import session_for
@@ -370,7 +370,8 @@ class Dispatcher:
 
     def _call_for(self, spec: JobSpec, stage: Stage, lease: Lease) -> StageCall:
         """The StageCall for a fresh lease (its items, cursor and input came with the lease)."""
-        batch = {"start_cursor": dumps(lease.cursor), f"out:{lease.stage_index - 1}": dumps(lease.input)}
+        batch = {"start_cursor": dumps(lease.cursor), "end_cursor": dumps(lease.end_cursor),
+                 "gen": str(lease.generation), f"out:{lease.stage_index - 1}": dumps(lease.input)}
         return self._stage_call(spec, stage, batch, lease.seq, lease.stage_index, lease.attempt,
                                 lease.lease_token, items=lease.items)
 
@@ -412,7 +413,9 @@ class Dispatcher:
         key = self.settings.signing_secret()
         env: dict[str, Any] = {
             "job_id": spec.job_id, "seq": seq, "stage": stage.name, "attempt": attempt,
-            "idempotency_key": idempotency_key(spec.job_id, seq, stage.name),
+            "idempotency_key": spec.stage_key(seq, stage.name, loads_or_none(batch.get("start_cursor")),
+                                              loads_or_none(batch.get("end_cursor"))),
+            "generation": int(batch.get("gen") or 0),
             "cursor": loads_or_none(batch.get("start_cursor")),
             "input": loads_or_none(batch.get(f"out:{stage_idx - 1}")), "params": spec.params,
         }

@@ -6,7 +6,7 @@
 -- ARGV[5] tolerated failure %   ARGV[6] plan lock holder ('' = never plan: the first stage is not offered)
 -- ARGV[7] plan lock lifetime (ms)   ARGV[8] inline read-ahead: items of src to return from the frontier's
 --         offset (0 = none)   ARGV[9] N   ARGV[10..9+2N] (stage, lease length ms) pairs, latest stage first
--- Returns {'ok', seq, stage, attempt, deadline_ms, start_cursor, end_cursor, items, input}
+-- Returns {'ok', seq, stage, attempt, deadline_ms, start_cursor, end_cursor, items, input, generation}
 --       | {'plan', next_seq, frontier, src length, src items...}  (the caller holds the plan lock now)
 --       | {'planning'} (another caller holds the plan lock: its batches come soon)
 --       | {'source_wait', retry_at_ms, error} (the source failed; not before retry_at)
@@ -65,7 +65,7 @@ for s = 1, nstages do
         local items = redis.call('GET', base .. ':items:' .. seq) or ''
         local input = batch['out:' .. (tonumber(stage) - 1)] or ''
         return {'ok', seq, stage, int(attempt), int(deadline), batch['start_cursor'], batch['end_cursor'],
-          items, input}
+          items, input, batch['gen'] or '0'}
       end
     end
   end

@@ -10,7 +10,8 @@
 --         '1' if the source is exhausted after it, items (JSON list, '' if the first stage fetches them),
 --         item count. Batch i starts where batch i-1 ends (the first at ARGV[2]).
 -- Returns {'ok', first seq, K} | {'ok', first seq, K, attempt, deadline_ms, start_cursor, end_cursor,
---         items} (the first batch leased with ARGV[7]) | {'exhausted'} | {'raced'}
+--         items, generation} (the first batch leased with ARGV[7]); every batch records the job's
+--         generation (gen: how many re-plans from a cursor came before it) | {'exhausted'} | {'raced'}
 --       | {'status', <job status>} | {'corrupt'}
 -- Invariant: a batch's start cursor is recorded (and the frontier moved) before anyone can lease it;
 -- a compare-and-set on next_seq and frontier keeps two planners from cutting the same range twice;
@@ -55,7 +56,7 @@ for i = 1, count do
   local bkey, ikey = KEYS[4 + 2 * i], KEYS[5 + 2 * i]
   local fields = {seq = seq, status = 'pending', stage = '0', attempt = '0', start_cursor = start,
     end_cursor = ARGV[a], n_items = int(tonumber(ARGV[a + 3])), lease_token = '', deadline_ms = '',
-    error = ''}
+    error = '', gen = job['gen'] or '0'}
   if ARGV[a + 2] ~= '' then redis.call('SET', ikey, ARGV[a + 2]) end
   if i == 1 and lease then
     local deadline = now + tonumber(ARGV[8])
@@ -66,7 +67,9 @@ for i = 1, count do
     fields['deadline_ms'] = int(deadline)
     fields['st:0'] = 'running'
     redis.call('ZADD', KEYS[4], deadline, seq)
-    for _, v in ipairs({'1', int(deadline), start, ARGV[a], ARGV[a + 2]}) do reply[#reply + 1] = v end
+    for _, v in ipairs({'1', int(deadline), start, ARGV[a], ARGV[a + 2], fields['gen']}) do
+      reply[#reply + 1] = v
+    end
   else
     -- ready at now - K + i: in the past, and in seq order (equal scores would sort '10' before '2')
     redis.call('ZADD', KEYS[2], now - count + i, seq)

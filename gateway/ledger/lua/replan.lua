@@ -7,7 +7,9 @@
 -- Returns {'ok', superseded count, new first seq} | {'raced'} | {'refused', status} | {'corrupt'}
 --       | {'missing'}
 -- Invariant: every batch of the old plan that is not committed is superseded (its holders' tokens go
--- stale, its items are dropped), and the new plan starts empty at seq next_seq from the named cursor.
+-- stale, its items are dropped), and the new plan starts empty at seq next_seq from the named cursor,
+-- one generation on (gen + 1: its batches carry it beside their idempotency keys, which stay the same for
+-- the same item range, so a store flow sees a re-stored range under the key it stored it by).
 -- The script reads next_seq itself: if a batch was planned beyond the caller's bound it answers
 -- 'raced' and changes nothing (the caller reads again). Counters are not reset blindly: they are the
 -- recount of the new, empty plan (all zero) because every old batch is now completed or superseded.
@@ -42,7 +44,8 @@ local base = job['next_seq']
 save(KEYS[1], job, {status = 'running', base_seq = base, wm = base, committed_cursor = ARGV[2],
   frontier = ARGV[2], plan_cursor = ARGV[2], exhausted = '0', blocked = '', n_open = '0', n_done = '0',
   n_failed = '0', items_done = '0', src_failures = '0', src_error = '', src_retry_ms = '0',
-  updated_ms = int(now), finished_ms = '', error = '', held_reason = ''})
+  updated_ms = int(now), finished_ms = '', error = '', held_reason = '',
+  gen = int(tonumber(job['gen'] or '0') + 1)})
 local entry = {'event', 'cursor_moved', 'from', from, 'to', ARGV[2], 'actor', ARGV[4],
   'reason', ARGV[5], 'superseded', int(superseded), 'status_was', old}
 log(KEYS[5], ARGV[3], entry)
