@@ -121,6 +121,8 @@ VIEW_SCHEMAS: dict[str, Any] = {
         committed_seq=INT,
         batches=_obj(["planned", "completed", "failed", "open", "leased"], planned=INT, completed=INT,
                      failed=INT, open=INT, leased=INT),
+        retryable_failed={**INT, "description": "failed batches of a job that succeeded within its failure "
+                          "budget: their items were never stored; retry-failed runs them"},
         items_done=INT, items_total=_nullable(INT), progress=_nullable(NUM),
         rate_items_per_s=NUM, eta_s=_nullable(NUM), source_exhausted=BOOL,
         error=_nullable(STR), held_reason=_nullable(STR), source_error=_nullable(STR),
@@ -140,7 +142,7 @@ VIEW_SCHEMAS: dict[str, Any] = {
     "LeaseEnvelope": _obj(
         ["job_id", "seq", "stage", "stage_index", "attempt", "idempotency_key", "lease_token",
          "lease_deadline"],
-        job_id=STR, seq=INT, stage=STR, stage_index=INT, attempt=INT, idempotency_key=STR,
+        job_id=STR, seq=INT, stage=STR, stage_index=INT, attempt=INT, idempotency_key=STR, generation=INT,
         cursor={}, end_cursor={}, items=_nullable({"type": "array"}), input={}, params=OBJ,
         lease_token=STR, lease_deadline={**STR, "format": "date-time"}),
     "HeartbeatResult": _obj(["job_id", "seq", "lease_deadline", "job_status"], job_id=STR, seq=INT,
