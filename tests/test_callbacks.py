@@ -58,7 +58,8 @@ def test_callback_commits_and_duplicates_get_the_first_answer(api_push, redis_cl
         platform.plan("accepted")
         job_id, sent = start_and_trigger(api, settings, redis_client, platform)
     env = sent.json
-    assert sent.headers["Idempotency-Key"] == f"{job_id}:0:process"
+    assert sent.headers["Idempotency-Key"] == env["idempotency_key"]
+    assert env["idempotency_key"].startswith(f"{job_id}:process:r") and env["generation"] == 0
     assert verify_signature(sent.headers["Batchgate-Signature"], sent.body, settings.signing_secret())
     answer = {"status": "succeeded", "output": {"n": 3}}
     first = api.session.post(env["callback_url"], json=answer)
