@@ -17,6 +17,7 @@ from werkzeug.exceptions import HTTPException
 
 from gateway.api.common import Services, request_services, require_json_type
 from gateway.api.idempotency import IdempotencyStore
+from gateway.api.spool import CallbackSpool
 from gateway.errors import (
     BatchgateError,
     BodyTooLarge,
@@ -64,6 +65,10 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         jobs=JobService(ledger, registry),
         idempotency=IdempotencyStore(client, ledger.keys, settings.idempotency_ttl),
         dispatcher=Dispatcher.build(settings, ledger) if settings.redis_url else None)
+    services: Services = app.extensions["batchgate"]
+    services.spool = CallbackSpool(settings.data_dir / "callback-spool",
+                                   lambda token, body: callbacks.commit_callback(services, token, body))
+    services.spool.start()  # what an earlier process spooled is committed once Redis answers
     for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp):
         app.register_blueprint(bp)
     if deferred_check:

@@ -30,6 +30,7 @@ class Services:
     jobs: JobService
     idempotency: IdempotencyStore
     dispatcher: Any = None
+    spool: Any = None  # gateway.api.spool.CallbackSpool: callbacks kept while Redis is unavailable
 
 
 def request_services() -> Services:
