@@ -1,5 +1,7 @@
 """Per-process structures stay bounded: the spec cache is an LRU and forgets retired jobs; job
-listing pages through a tenant's index and drops the ids of jobs whose retention ran out.
+listing pages through a tenant's index and drops the ids of jobs whose retention ran out; a batch's bound
+(max_bytes, else max_items x max_record_bytes) stays within BATCHGATE_MAX_BATCH_BYTES (422 otherwise,
+before any read), and a plan reads ahead no more than that.
 
 tests/test_soak.py checks the same end to end, by the processes' memory over 20,000 jobs.
 """
@@ -119,7 +121,8 @@ def test_with_max_bytes_the_creation_probe_holds_about_max_bytes(api, tmp_path):
 
     path = write_mib_lines(tmp_path / "big.jsonl", 48)
     flow = {"id": "big", "version": "1", "stages": [{"name": "s"}],
-            "batching": {"max_items": 100_000, "max_bytes": 2 * MIB}, "source": {"type": "jsonl", "path": path}}
+            "batching": {"max_items": 100_000, "max_bytes": 2 * MIB},
+            "source": {"type": "jsonl", "path": path}}
     assert api.post("/v1/flows", json=flow).status_code == 201
     resp, grew = peak_rss_growth_mib(lambda: api.post("/v1/jobs", json={"flow_id": "big"}))
     assert resp.status_code == 201, resp.text

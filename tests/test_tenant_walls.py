@@ -85,7 +85,7 @@ def test_existing_flows_of_valid_tenants_are_read_under_their_keys(api, registry
     assert api.post("/v1/jobs", json={"flow_id": "f"}).status_code == 201
 
 
-# -- ids echoed at most 200 characters ----------------------------------------------------------------------
+# -- ids echoed at most 200 characters ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("method,path", [
     ("GET", "/v1/jobs/job_{id}"), ("GET", "/v1/jobs/{id}"), ("POST", "/v1/jobs/job_{id}/pause"),
@@ -98,7 +98,7 @@ def test_a_404_echoes_at_most_200_characters_of_an_id(api, method, path):
     assert len(resp.content) < 1000
 
 
-# -- signed tokens --------------------------------------------------------------------------------------------
+# -- signed tokens -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("claims", [{}, {"j": "job_x"}, {"j": "job_x", "s": 0, "st": 0, "a": 1},
                                     {"j": 5, "s": 0, "st": 0, "a": 1, "t": "x"},
@@ -114,7 +114,7 @@ def test_a_genuine_blob_token_missing_fields_is_a_401(api, settings):
     assert_problem(api.as_token(None).get(f"/v1/blobs/{token}"), 401)
 
 
-# -- chunked bodies -------------------------------------------------------------------------------------------
+# -- chunked bodies ----------------------------------------------------------------------------------------
 
 @pytest.fixture
 def small_body_api(settings, redis_client):
@@ -148,7 +148,7 @@ def test_a_chunked_body_within_the_limit_is_read_whole(small_body_api):
     assert resp.status_code == 201, resp.text
 
 
-# -- a callback URL never follows a redirect to another origin ------------------------------------------------
+# -- a callback URL never follows a redirect to another origin ---------------------------------------------
 
 def run_callback_attempt(settings, redis_client, make_job, url: str):
     own = settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"],
@@ -196,7 +196,7 @@ def test_the_session_refuses_a_cross_origin_307_only_for_a_body_with_a_signed_ur
     assert session.post(first.url(), data=b'{"items": [1]}', timeout=5).text == "done"  # no credential
 
 
-# -- sequence bounds ------------------------------------------------------------------------------------------
+# -- sequence bounds ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("source,field", [
     ({"type": "sequence", "count": 10, "start": 2**63 - 5}, "count"),
@@ -221,7 +221,7 @@ def test_a_sequence_up_to_the_last_64_bit_integer_runs(api):
     assert max(env["items"]) == 2**63 - 1
 
 
-# -- gunicorn's own errors ------------------------------------------------------------------------------------
+# -- gunicorn's own errors ---------------------------------------------------------------------------------
 
 GUNICORN_APP = "tests.test_tenant_walls:tiny_app"
 

@@ -73,7 +73,7 @@ def use_problem_errors() -> bool:
         from gunicorn import util
     except ImportError:
         return False
-    if not callable(getattr(util, "write_error", None)) or not callable(getattr(util, "write_nonblock", None)):
+    if not all(callable(getattr(util, name, None)) for name in ("write_error", "write_nonblock")):
         return False
     util.write_error = write_problem
     return True
