@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Generator
 from typing import Any
 from urllib.parse import urljoin
@@ -11,9 +12,13 @@ import requests
 from chunker.batching import PAGE_BREAK, Entry
 from chunker.cursors import offset_cursor
 from chunker.errors import SourceReadError, SourceSpecError
-from chunker.httputil import display_url, http_get, origin
+from chunker.httputil import display_url, http_get, origin, request_error
 from chunker.source import Source
 from chunker.validation import Fields, is_int
+
+#: Largest page body a reader holds (decoded bytes); a longer one fails the read, not retryable.
+MAX_PAGE_BYTES = 32 * 1024 * 1024
+_CHUNK_BYTES = 64 * 1024
 
 # Per style: allowed pagination fields and their defaults.
 _STYLES: dict[str, dict[str, Any]] = {
@@ -86,6 +91,23 @@ def _dig(data: Any, path: str) -> tuple[bool, Any]:
             return False, None
         data = data[part]
     return True, data
+
+
+def _page_bytes(resp: requests.Response, url: str) -> bytes:
+    """The body of a page, read as it streams in; SourceReadError past MAX_PAGE_BYTES (never held whole)."""
+    buf = bytearray()
+    try:
+        for chunk in resp.iter_content(_CHUNK_BYTES):
+            buf += chunk
+            if len(buf) > MAX_PAGE_BYTES:
+                message = (f"GET {display_url(url)}: page is larger than {MAX_PAGE_BYTES} bytes; "
+                           "ask for smaller pages (pagination page_size)")
+                raise SourceReadError(message, retryable=False)
+    except requests.RequestException as exc:
+        raise request_error(exc, url) from None
+    finally:
+        resp.close()
+    return bytes(buf)
 
 
 class HttpJsonSource(Source):
@@ -176,9 +198,9 @@ class HttpJsonSource(Source):
         if self._session is None:
             self._session = requests.Session()
         resp = http_get(self._session, url, timeout_s=self._timeout_s, params=params,
-                        headers=self._spec["headers"])
+                        headers=self._spec["headers"], stream=True)
         try:
-            body = resp.json()
+            body = json.loads(_page_bytes(resp, url))
         except ValueError:
             message = f"GET {display_url(url)}: response is not valid JSON"
             raise SourceReadError(message, retryable=False) from None

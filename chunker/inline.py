@@ -26,10 +26,25 @@ def validate_inline(f: Fields, *, require_items: bool = True) -> dict:
     return spec
 
 
+#: Sequence items are signed 64-bit integers (what JSON parsers and the batchgate API accept).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def validate_sequence(f: Fields) -> dict:
-    """Checks a sequence spec: {"type": "sequence", "count": N, "start": 0}."""
+    """Checks a sequence spec: {"type": "sequence", "count": N, "start": 0}.
+
+    Every integer it yields, start .. start + count - 1, must be a signed 64-bit integer.
+    """
     f.only({"type", "count", "start"})
-    return {"type": "sequence", "count": f.get_int("count", minimum=0), "start": f.get_int("start", 0)}
+    count, start = f.get_int("count", minimum=0), f.get_int("start", 0)
+    if count > INT64_MAX:
+        f.fail("count", f"must be at most {INT64_MAX} (cursor offsets are signed 64-bit integers)")
+    if not INT64_MIN <= start <= INT64_MAX:
+        f.fail("start", f"must be a signed 64-bit integer ({INT64_MIN} .. {INT64_MAX})")
+    if count > INT64_MAX - start + 1:
+        f.fail("count", f"runs the sequence past {INT64_MAX} (the largest signed 64-bit integer): with "
+                        f"start {start} it may be at most {INT64_MAX - start + 1}")
+    return {"type": "sequence", "count": count, "start": start}
 
 
 class InlineSource(Source):

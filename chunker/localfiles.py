@@ -70,8 +70,23 @@ def _inside(path: str, dirs: Sequence[str]) -> str | None:
     return None
 
 
+def _realpath(path: str, label: str) -> str:
+    """os.path.realpath, FileAccessError when the path changes under it.
+
+    realpath lstat()s a component and then readlink()s it: a symlink swapped for a file in between makes
+    readlink fail (EINVAL), and a component swapped mid-walk can fail other ways. Tried a few times,
+    then refused as a path that keeps changing (never an unexpected OSError).
+    """
+    for _ in range(3):
+        try:
+            return os.path.realpath(path)
+        except OSError:
+            continue
+    raise FileAccessError(f"{label} changed while it was checked; try again once it is stable")
+
+
 def _resolved(dirs: Sequence[str]) -> list[str]:
-    return [os.path.realpath(d) for d in dirs]
+    return [_realpath(d, "a source root") for d in dirs]
 
 
 def check_path(path: str, access: FileAccess) -> str:
@@ -86,7 +101,7 @@ def check_path(path: str, access: FileAccess) -> str:
         raise FileAccessError(f"path {path!r} must be absolute")
     if "\x00" in path:
         raise FileAccessError("path must not contain NUL characters")
-    real = os.path.realpath(path)
+    real = _realpath(path, f"path {path!r}")
     system = _inside(real, [*SYSTEM_DIRS, *_resolved(SYSTEM_DIRS)])
     if system is not None:
         raise FileAccessError(f"path {path!r} is in {system}, which sources may never read")

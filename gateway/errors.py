@@ -6,6 +6,16 @@ from datetime import timedelta
 from typing import Any
 
 
+#: Longest piece of a request (an id, a name) an error message repeats; longer ones are cut.
+ECHO_MAX = 200
+
+
+def shown(value: object, limit: int = ECHO_MAX) -> str:
+    """``value`` as text for an error message, cut to ``limit`` characters with an ellipsis."""
+    text = str(value)
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
+
+
 class BatchgateError(Exception):
     """Root of every error batchgate raises on purpose."""
 

@@ -23,6 +23,13 @@ from gateway.errors import FatalError, Unauthorized
 #: URL paths whose last segment is a signed token (authenticated by it, never by a bearer token).
 SIGNED_URL_PATHS = ("/v1/callbacks/", "/v1/blobs/")
 _B64URL = re.compile(r"[A-Za-z0-9_-]*")
+#: The fields a token of each purpose carries (besides ``exp``), and their types: a genuine token without
+#: them (signed by an older release, or by hand with the key) is refused as malformed, never a 500.
+#: j: job id, s: batch seq, st: stage index, a: attempt, t: lease token.
+CLAIMS: dict[str, dict[str, type]] = {
+    "callback": {"j": str, "s": int, "st": int, "a": int, "t": str},
+    "blob": {"j": str, "s": int},
+}
 
 
 class TokenExpired(FatalError):
@@ -58,7 +65,8 @@ def sign(payload: dict[str, Any], key: bytes, purpose: str, ttl_s: float) -> str
 
 
 def verify(token: str, key: bytes, purpose: str) -> dict[str, Any]:
-    """The payload of a genuine, unexpired token; 401 if forged or malformed, 410 if expired.
+    """The payload of a genuine, unexpired token; 401 if forged or malformed (the fields its purpose
+    carries, :data:`CLAIMS`, missing or mistyped included), 410 if expired.
 
     Non-canonical spellings of a genuine token (padding, ``+/``, altered trailing bits) are forged.
     """
@@ -78,6 +86,10 @@ def verify(token: str, key: bytes, purpose: str) -> dict[str, Any]:
         raise Unauthorized("the link's token is malformed")
     if payload["exp"] < time.time():
         raise TokenExpired("this link has expired; the stage attempt it belonged to is over")
+    for name, kind in CLAIMS.get(purpose, {}).items():
+        value = payload.get(name)
+        if type(value) is not kind or (kind is int and value < 0) or (kind is str and not value):
+            raise Unauthorized(f"the link's token is malformed: it lacks a valid {name!r} field")
     return payload
 
 

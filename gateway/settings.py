@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from datetime import timedelta
 from pathlib import Path
@@ -15,6 +16,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: The secrets tenant whose entries every tenant may name (a tenant's own entry of the same name wins).
 SHARED = "*"
+#: What a tenant name may be: a letter or digit, then letters, digits, ``_``, ``.`` or ``-``; at most 64
+#: characters (the flow id charset). Never ``:`` (the key separator) nor ``{}`` (hash tags), so no two
+#: tenants' Redis keys can collide (ledger.keys).
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 #: Settings that hold credentials: never passed to a child process in its environment (see procs.child_env).
 #: The development token's file under data_dir (mode 0600), used when BATCHGATE_TOKENS is unset.
 DEV_TOKEN_FILE = "dev-token"
@@ -75,6 +80,10 @@ class Settings(BaseSettings):
     max_record_bytes: int = Field(
         default=1024 * 1024, ge=1, description="cap on a jsonl line / csv record (a source's "
         "max_record_bytes may ask for less, or more up to this)")
+    max_batch_bytes: int = Field(
+        default=128 * 1024 * 1024, ge=1024, description="most bytes one batch read from a file source may "
+        "hold (max_items x max_record_bytes, or the flow's max_bytes); a flow whose bound is higher must "
+        "set batching.max_bytes (422). Also what one plan reads ahead at most")
     source_read_timeout: timedelta = Field(
         default=timedelta(seconds=30), description="a URL source read fails (retryable) after this long "
         "without a byte")
@@ -111,6 +120,9 @@ class Settings(BaseSettings):
                         raise ValueError(f"source_roots[{tenant!r}]: {root!r} is not an absolute path")
             value = {t: [str(r) for r in (rs if isinstance(rs, (list, tuple)) else [rs])]
                      for t, rs in value.items()}
+            for tenant in value:
+                if tenant != SHARED:
+                    check_tenant_name(tenant, "BATCHGATE_SOURCE_ROOTS")
         return value
 
     @field_validator("idempotency_ttl", "supervisor_interval", "callback_grace", "source_read_timeout",
@@ -136,9 +148,12 @@ class Settings(BaseSettings):
     @field_validator("tokens")
     @classmethod
     def _tenant_names(cls, value: dict[str, str]) -> dict[str, str]:
-        if any(tenant == SHARED or not tenant for tenant in value.values()):
-            raise ValueError(f"a token's tenant must be a non-empty name other than {SHARED!r} "
-                             "(reserved for secrets shared by all tenants)")
+        """Every token's tenant is a valid name (the message names the tenant, never the token)."""
+        for tenant in value.values():
+            if tenant == SHARED:
+                raise ValueError(f"a token's tenant must be a name other than {SHARED!r} "
+                                 "(reserved for secrets shared by all tenants)")
+            check_tenant_name(tenant, "BATCHGATE_TOKENS")
         return value
 
     @field_validator("secrets", mode="before")
@@ -151,8 +166,9 @@ class Settings(BaseSettings):
         if flat:
             names = ", ".join(repr(n) for n in flat[:5]) + (" ..." if len(flat) > 5 else "")
             raise ValueError(FLAT_SECRETS.format(names=names, first=flat[0]))
-        if any(not tenant for tenant in value):
-            raise ValueError("BATCHGATE_SECRETS: a tenant name must not be empty")
+        for tenant in value:
+            if tenant != SHARED:
+                check_tenant_name(tenant, "BATCHGATE_SECRETS")
         return value
 
     def secret_for(self, tenant: str, name: str) -> str | None:
@@ -220,6 +236,16 @@ class Settings(BaseSettings):
             except FileExistsError:
                 pass
         return path.read_text().strip().encode()
+
+
+def check_tenant_name(tenant: Any, setting: str) -> None:
+    """ValueError naming ``setting`` and the tenant (shortened) unless it matches :data:`TENANT_NAME`."""
+    if not isinstance(tenant, str) or not TENANT_NAME.fullmatch(tenant):
+        shown = repr(tenant)
+        shown = shown if len(shown) <= 80 else shown[:79] + "\u2026"
+        raise ValueError(f"{setting}: tenant name {shown} is not valid: a tenant name is 1-64 characters, "
+                         "letters, digits, '_', '.' or '-', starting with a letter or digit (no ':', "
+                         "which separates the parts of Redis keys)")
 
 
 def _plain(value: Any) -> str:

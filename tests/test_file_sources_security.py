@@ -10,9 +10,12 @@ than about max_record_bytes of it, whatever the stream (no newline at all, /dev/
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import chunker
-from chunker.localfiles import FileAccess, FileAccessError, open_file
+from chunker.localfiles import FileAccess, FileAccessError, check_path, open_file
 from gateway.api.app import create_app
 from tests.chunker.helpers import Server
 from tests.conftest import OTHER_TOKEN, TOKEN
@@ -450,6 +453,70 @@ def test_open_file_refuses_a_directory_swapped_for_a_symlink(tmp_path, monkeypat
     monkeypatch.setattr(os, "open", swapping_open)
     with pytest.raises(FileAccessError, match="changed while it was opened"):
         open_file(str(inside / "d" / "f.jsonl"), FileAccess(roots=(str(inside),)))
+
+
+def test_a_symlink_swapped_for_a_file_while_it_is_resolved_is_a_422_not_a_500(api, settings, tmp_path,
+                                                                              monkeypatch):
+    """realpath lstat()s a component, sees a symlink, then readlink() finds a file there (EINVAL)."""
+    path = tmp_path / "swap.jsonl"
+    path.symlink_to(write_jsonl(tmp_path / "real.jsonl", [1]))
+    real_readlink = os.readlink
+
+    def swapped(target, *args, **kwargs):
+        if str(target) == str(path):
+            raise OSError(errno.EINVAL, "Invalid argument", str(target))
+        return real_readlink(target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "readlink", swapped)
+    resp = api.post("/v1/flows", json={"id": "swap", "version": "1", "stages": [{"name": "s"}],
+                                       "source": {"type": "jsonl", "path": str(path)}})
+    assert resp.status_code == 422, resp.text
+    assert "changed while it was checked" in resp.json()["detail"]
+
+
+SWAPPER = """
+import os, sys
+real, path, spare = sys.argv[1:4]
+while True:
+    try:
+        os.unlink(spare)
+    except FileNotFoundError:
+        pass
+    os.symlink(real, spare)
+    os.replace(spare, path)  # now a symlink
+    with open(spare, "w") as fh:
+        fh.write("1\\n")
+    os.replace(spare, path)  # now a file
+"""
+
+
+def test_checks_racing_a_path_swapped_between_file_and_symlink_only_ever_refuse(tmp_path):
+    """The check flow registration and job creation run, against a real swapping process: every
+    outcome is the resolved path or a FileAccessError (a 422), never another error (a 500). Without the
+    fix about 1 in 3,000 checks raised OSError (EINVAL from readlink)."""
+    real = write_jsonl(tmp_path / "real.jsonl", [1])
+    path, spare = tmp_path / "swap.jsonl", tmp_path / "spare"
+    path.write_text("1\n")
+    access = FileAccess(roots=(str(tmp_path),))
+    swapper = subprocess.Popen([sys.executable, "-c", SWAPPER, real, str(path), str(spare)])
+    outcomes: set[str] = set()
+    try:
+        time.sleep(0.05)
+        deadline = time.monotonic() + 3  # about 20,000 checks on an idle machine
+        for _ in range(20_000):
+            if time.monotonic() > deadline:
+                break
+            try:
+                check_path(str(path), access)
+                outcomes.add("ok")
+            except FileAccessError:
+                outcomes.add("refused")
+            except Exception as exc:  # noqa: BLE001
+                outcomes.add(type(exc).__name__)
+    finally:
+        swapper.kill()
+        swapper.wait()
+    assert outcomes <= {"ok", "refused"}, outcomes
 
 
 def test_the_library_default_reads_any_regular_file_but_never_system_ones(tmp_path):

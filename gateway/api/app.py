@@ -103,11 +103,28 @@ def _finite(value: Any) -> Any:
 
 
 def _json_bodies_only() -> None:
-    """415 for any body that is not JSON, on every route (json_body checks again where it reads)."""
+    """415 for any body that is not JSON, on every route (json_body checks again where it reads); 413
+    for a chunked body over the limit."""
     if request.method not in BODY_METHODS or request.routing_exception is not None:
         return
-    if request.content_length or "chunked" in request.headers.get("Transfer-Encoding", "").lower():
+    chunked = "chunked" in request.headers.get("Transfer-Encoding", "").lower()
+    if request.content_length or chunked:
         require_json_type()
+    if chunked and request.content_length is None:
+        _read_chunked_body()
+
+
+def _read_chunked_body() -> None:
+    """Read (and cache) a chunked body, 413 if it is longer than the limit.
+
+    Werkzeug stops reading a body without Content-Length at MAX_CONTENT_LENGTH and hands over what it
+    read, so a body cut at the limit that happened to be valid JSON was accepted. Reading with a limit one
+    byte higher tells a body of exactly the limit from a longer one.
+    """
+    limit = request_services().settings.max_body_bytes
+    request.max_content_length = limit + 1
+    if len(request.get_data(cache=True)) > limit:
+        raise BodyTooLarge(f"the body exceeds the {limit}-byte limit")
 
 
 def _no_content_no_type(resp: Response) -> Response:

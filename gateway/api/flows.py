@@ -7,6 +7,7 @@ from flask import Blueprint, g, jsonify
 from gateway.api.common import json_body, request_services
 from gateway.ledger.flows import check_secrets, parse_flow
 from gateway.ledger.jobspec import check_source_access
+from gateway.ledger.planner import check_batch_bound
 from gateway.net.urlguard import Allowlist, check_url
 from gateway.push.dispatch import target_urls
 
@@ -24,6 +25,7 @@ def register():
         for url in target_urls(stage.target or {}):
             check_url(url, allow)
     check_source_access(flow.source, services.settings, g.tenant)  # a default path the tenant may read
+    check_batch_bound(flow.batching, flow.source, services.settings)  # 422: a batch could be too big
     check_secrets(flow, g.tenant, services.settings.secret_names(g.tenant))  # 422: not this tenant's
     record, created = services.flows.register(g.tenant, flow)
     return jsonify(record), 201 if created else 200

@@ -17,7 +17,8 @@ bp = Blueprint("pull", __name__, url_prefix="/v1/jobs/<job_id>")
 class LeaseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    stage: str | None = Field(default=None, description="lease only batches waiting for this stage")
+    stage: str | None = Field(default=None, max_length=64,
+                              description="lease only batches waiting for this stage")
 
 
 class HeartbeatRequest(BaseModel):

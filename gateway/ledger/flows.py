@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from datetime import timedelta
 from typing import Any
@@ -21,12 +22,18 @@ from pydantic import (
 
 import chunker
 import connectors
-from gateway.errors import FlowConflict, InvalidRequest, NotFound
+from gateway.errors import FlowConflict, InvalidRequest, NotFound, shown
 from gateway.ledger.keys import Keys
 from gateway.ledger.records import dumps
 from gateway.validation import parse
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+_NAME = re.compile(NAME)
+
+
+def is_name(value: object) -> bool:
+    """Whether ``value`` is a valid flow id, version or stage name (no ``:``: keys stay unambiguous)."""
+    return isinstance(value, str) and _NAME.fullmatch(value) is not None
 ZERO, ONE_DAY = timedelta(0), timedelta(days=1)  # durations are positive and bounded
 #: A stage attempt's maximum total run time when the flow names none: generous (a day), but finite, so a
 #: platform run stuck in ``running`` or a worker heartbeating forever ends and its retry class decides.
@@ -211,7 +218,7 @@ class FlowRegistry:
         Same id+version with other content: FlowConflict. A retired (deleted) id+version: FlowRetired,
         even with the content it had, so a label never comes back.
         """
-        key = self._keys.flow(tenant, flow.id, flow.version)
+        key = self._key(tenant, flow.id, flow.version)
         digest = flow.content_hash()
         res = self._register(keys=[key], args=[digest, dumps(flow.model_dump(mode="json")),
                                                str(int(time.time() * 1000))])
@@ -236,18 +243,26 @@ class FlowRegistry:
         """One version (latest registered when ``version`` is None), or NotFound."""
         if version is None:
             version = self.latest_version(tenant, flow_id)
-        raw = self._r.hgetall(self._keys.flow(tenant, flow_id, version))
+        raw = self._r.hgetall(self._key(tenant, flow_id, version))
         if not raw.get("definition"):
-            raise NotFound(f"flow {flow_id} version {version} not found")
+            raise NotFound(f"flow {shown(flow_id)} version {shown(version)} not found")
         return self._view(raw)
 
     def latest_version(self, tenant: str, flow_id: str) -> str:
         """The most recently registered version of ``flow_id``."""
-        for member in reversed(self._r.zrange(self._keys.flows(tenant), 0, -1)):
-            fid, _, ver = member.rpartition(":")
-            if fid == flow_id:
-                return ver
-        raise NotFound(f"flow {flow_id} not found")
+        if is_name(flow_id):
+            for member in reversed(self._r.zrange(self._keys.flows(tenant), 0, -1)):
+                fid, _, ver = member.rpartition(":")
+                if fid == flow_id:
+                    return ver
+        raise NotFound(f"flow {shown(flow_id)} not found")
+
+    def _key(self, tenant: str, flow_id: str, version: str) -> str:
+        """The key of a flow version; NotFound for an id or version no flow can have (one holding
+        ``:`` would name a key of another tenant: ``acme`` + ``x:f`` = ``acme:x`` + ``f``)."""
+        if not (is_name(flow_id) and is_name(version)):
+            raise NotFound(f"flow {shown(flow_id)} version {shown(version)} not found")
+        return self._keys.flow(tenant, flow_id, version)
 
     def list(self, tenant: str) -> list[dict[str, Any]]:
         """Every registered version of every flow of ``tenant``, oldest first."""
@@ -262,9 +277,9 @@ class FlowRegistry:
     def delete(self, tenant: str, flow_id: str, version: str) -> None:
         """Retire one version for good: it leaves a tombstone, so the id+version is never registered
         again (whatever the content), and jobs recorded on it can no longer resume."""
-        key = self._keys.flow(tenant, flow_id, version)
+        key = self._key(tenant, flow_id, version)
         if not self._retire(keys=[key], args=[str(int(time.time() * 1000))]):
-            raise NotFound(f"flow {flow_id} version {version} not found")
+            raise NotFound(f"flow {shown(flow_id)} version {shown(version)} not found")
         self._r.zrem(self._keys.flows(tenant), f"{flow_id}:{version}")
 
     @staticmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from typing import Any
@@ -9,10 +10,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 import chunker
-from gateway.errors import CorruptRecord, FlowVersionMismatch, InvalidRequest, NotFound
-from gateway.ledger.flows import FlowRegistry, FlowSpec, validate_source
+from gateway.errors import CorruptRecord, FlowVersionMismatch, InvalidRequest, NotFound, shown
+from gateway.ledger.flows import NAME, FlowRegistry, FlowSpec, validate_source
 from gateway.ledger.jobspec import JobSpec, initial_cursor, open_source, probe_source, total_hint
 from gateway.ledger.ledger import ABSENT, Ledger
+from gateway.ledger.planner import check_batch_bound
 from gateway.ledger.progress import progress_of
 from gateway.ledger.records import loads_or_none
 
@@ -26,8 +28,8 @@ class JobRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    flow_id: str = Field(min_length=1, max_length=64)
-    flow_version: str | None = Field(default=None, max_length=64)
+    flow_id: str = Field(pattern=NAME)
+    flow_version: str | None = Field(default=None, pattern=NAME)
     params: dict[str, Any] = Field(default_factory=dict)
     source: dict[str, Any] | None = None
 
@@ -39,6 +41,15 @@ class ResumeRequest(BaseModel):
 
     cursor: Any = Field(default=ABSENT, description="re-plan from this cursor (rewind or skip)")
     reason: str = Field(default="", max_length=500)
+
+
+_JOB_ID = re.compile(r"job_[A-Za-z0-9_-]{1,60}")
+
+
+def is_job_id(value: str) -> bool:
+    """Whether ``value`` can be a job id: ``job_`` and up to 60 of ``[A-Za-z0-9_-]`` (new_job_id makes
+    23 hex digits); never ``{``, ``}`` or ``:``, which would change the job's key names."""
+    return _JOB_ID.fullmatch(value) is not None
 
 
 def new_job_id() -> str:
@@ -67,6 +78,7 @@ class JobService:
             raise InvalidRequest(str(exc)) from exc
         if inline is not None:
             source = {"type": "inline", "count": len(inline)}
+        check_batch_bound(flow.batching, source, self.ledger.settings)  # 422 before the probe reads
         # 422/503 now rather than failing every lease later; a path must be one the tenant may read
         total_bytes = probe_source(source, flow, self.ledger.settings, tenant)
         spec = JobSpec(job_id=new_job_id(), tenant=tenant, flow=flow, flow_hash=record["hash"],
@@ -78,8 +90,8 @@ class JobService:
 
     def owned_spec(self, tenant: str, job_id: str) -> JobSpec:
         """The job's spec if ``tenant`` owns it; NotFound otherwise (no hint that it exists)."""
-        if not job_id.startswith("job_") or len(job_id) > 64:
-            raise NotFound(f"job {job_id} not found")
+        if not is_job_id(job_id):
+            raise NotFound(f"job {shown(job_id)} not found")
         spec = self.ledger.spec(job_id)
         if spec.tenant != tenant:
             raise NotFound(f"job {job_id} not found")

@@ -2,6 +2,12 @@
 
 All keys of one job share the hash tag ``{<job_id>}`` so every Lua script touches one slot.
 
+The parts keys are built from never hold ``:`` (the separator) or ``{}`` (hash tags), so no two keys of
+different tenants, flows or jobs can be the same string: tenant names are checked at start
+(``settings.TENANT_NAME``), flow ids and versions wherever a key is built from them
+(``flows.FlowRegistry._key``), job ids before a job's keys are read (``jobs.is_job_id``; new ones come
+from ``jobs.new_job_id``). Idempotency keys are hashed.
+
 Per job (owner: the ledger scripts; expiry: retention, see ``Ledger.apply_retention``):
 
 =============================  ======  =====================================================

@@ -10,7 +10,10 @@ matters, on the connection itself:
 - **Every redirect hop is a new request through the same guard**, at most :data:`MAX_REDIRECTS` of them.
   When a hop changes the origin (scheme, host or port), every header but a few content-negotiation ones is
   dropped: ``Authorization``, cookies, the platform's API key headers, a source's custom headers and
-  batchgate's own signature. 303 (and 301/302 after a POST) continue as GET, 307/308 keep method and body.
+  batchgate's own signature. 303 (and 301/302 after a POST) continue as GET, 307/308 keep method and body,
+  except that a body holding one of batchgate's signed URLs (a callback or blob URL: a bearer credential,
+  as in a callback-mode envelope's ``callback_url``) is never re-sent to another origin: that hop is
+  refused. Within the origin it is followed (the origin already holds the URL).
 - No proxies from the environment, no ``.netrc``, and no cookie jar shared between calls.
 
 A refused connection raises :class:`RefusedURL`, a ``requests.RequestException`` that is not a connection
@@ -38,6 +41,7 @@ from urllib3.util.timeout import _DEFAULT_TIMEOUT
 from connectors.transport import undelivered_mark
 from gateway.net.keepalive import IdleLimitPoolMixin, ProvenDeliveryMixin, fresh_connections, replayable
 from gateway.net.urlguard import Allowlist, UnsafeURL, checked_addresses, normal_host
+from gateway.security import SIGNED_URL_PATHS
 
 log = logging.getLogger(__name__)
 
@@ -182,11 +186,27 @@ class GuardedSession(requests.Session):
         return origin(old_url) != origin(new_url)
 
     def rebuild_auth(self, prepared_request: requests.PreparedRequest, response: requests.Response) -> None:
-        """On a redirect to another origin, drop every header that may carry a credential."""
+        """On a redirect to another origin, drop every header that may carry a credential, and refuse
+        the hop if it would re-send a body holding a signed URL (requests has already dropped the body
+        unless the answer was 307 or 308)."""
         if self.should_strip_auth(response.request.url or "", prepared_request.url or ""):
+            if holds_signed_url(prepared_request.body):
+                raise RefusedURL(
+                    f"{_where(response.request.url)} answered {response.status_code} with a redirect to "
+                    f"{_where(prepared_request.url)}, another origin; the request body holds a signed "
+                    "batchgate URL (a credential), so it is not sent there", request=prepared_request)
             headers = prepared_request.headers
             for name in [n for n in headers if n.lower() not in KEPT_ACROSS_ORIGINS]:
                 del headers[name]
+
+
+def holds_signed_url(body: Any) -> bool:
+    """Whether a request body (bytes or text) holds a path of one of batchgate's signed URLs."""
+    if isinstance(body, str):
+        body = body.encode("utf-8", "surrogatepass")
+    if not isinstance(body, (bytes, bytearray)):
+        return body is not None  # a stream cannot be looked into: treated as holding one
+    return any(path.encode() in body for path in SIGNED_URL_PATHS)
 
 
 def guarded_session(allow: Allowlist | None = None) -> GuardedSession:

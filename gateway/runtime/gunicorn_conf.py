@@ -12,6 +12,14 @@ with "Connection in use" for as long. Here:
   but never accepted get a reset, connections already accepted are untouched), then stops as gunicorn
   stops a worker: requests in flight finish within ``graceful_timeout``, nothing new is accepted.
 
+- ``post_fork``, too: gunicorn answers a request it cannot parse itself, before the app sees it (a
+  request line over ``limit_request_line``: 414; too many or too long headers: 431; a malformed line,
+  header or chunk: 400; an unsupported transfer coding: 501), with an HTML page written by
+  ``gunicorn.util.write_error``. gunicorn has no setting or hook to render these, so that one function is
+  replaced in each worker by :func:`write_problem`: the same status, an RFC 9457
+  ``application/problem+json`` body, the reason cut to 200 characters. If a gunicorn release drops the
+  function the replacement is skipped and the HTML answers stay (README, "Errors").
+
 ``SO_REUSEPORT`` was not used: it would let a new server bind beside the orphans, but the kernel would
 keep handing about half the new connections to their sockets, which no longer accept; and two servers
 started on one port by mistake would both run, silently sharing it.
@@ -20,6 +28,7 @@ started on one port by mistake would both run, silently sharing it.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -34,8 +43,45 @@ PR_SET_PDEATHSIG = 1
 control_socket_disable = True
 
 
+#: Longest part of gunicorn's reason (it may quote the request line) repeated in a problem's detail.
+DETAIL_MAX = 200
+_SLUGS = {400: "bad-request", 403: "forbidden", 414: "uri-too-long", 417: "expectation-failed",
+          431: "header-fields-too-large", 500: "internal", 501: "not-implemented"}
+
+
+def problem_bytes(status: int, reason: str, detail: str) -> bytes:
+    """A complete HTTP/1.1 answer carrying an RFC 9457 problem; the connection is closed after it."""
+    if len(detail) > DETAIL_MAX:
+        detail = detail[:DETAIL_MAX - 1] + "\u2026"
+    body = json.dumps({"type": f"https://batchgate.dev/problems/{_SLUGS.get(status, 'bad-request')}",
+                       "title": reason, "status": status, "detail": detail or reason}).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\n"
+            f"Content-Type: application/problem+json\r\nContent-Length: {len(body)}\r\n\r\n")
+    return head.encode("latin-1", "replace") + body
+
+
+def write_problem(sock: Any, status_int: int, reason: str, mesg: str) -> None:
+    """gunicorn.util.write_error's signature, writing problem+json instead of HTML."""
+    from gunicorn import util
+
+    util.write_nonblock(sock, problem_bytes(int(status_int), str(reason), str(mesg)))
+
+
+def use_problem_errors() -> bool:
+    """Replace gunicorn's HTML error writer with :func:`write_problem`; False if gunicorn has none."""
+    try:
+        from gunicorn import util
+    except ImportError:
+        return False
+    if not all(callable(getattr(util, name, None)) for name in ("write_error", "write_nonblock")):
+        return False
+    util.write_error = write_problem
+    return True
+
+
 def post_fork(server: Any, worker: Any) -> None:
-    """In the new worker: SIGTERM when the master dies (Linux)."""
+    """In the new worker: problem+json for gunicorn's own errors; SIGTERM when the master dies (Linux)."""
+    use_problem_errors()
     if not sys.platform.startswith("linux"):
         return
     try:
