@@ -354,9 +354,11 @@ def test_dify_running_status(mock, session):
 def test_dify_paused_run_waits_for_a_human_and_is_fatal(mock, session):
     mock.post(f"{DIFY}/v1/workflows/run", json=dify_run("paused"))
     mock.get(f"{DIFY}/v1/workflows/run/r-1", json={"id": "r-1", "status": "paused"})
-    assert "waiting for input" in raises(F, lambda: dify_trigger(session)).message
+    err = raises(F, lambda: dify_trigger(session))
+    assert "waiting for a person" in err.message and err.code == "waiting_human"
     err = raises(F, lambda: get_connector("dify").poll(dify_call(), {"run_id": "r-1"}, session))
     assert "human-input" in err.message and err.platform_ids == {"workflow_run_id": "r-1"}
+    assert err.code == "waiting_human"
 
 
 @pytest.mark.parametrize("status, code, retry", [
@@ -444,19 +446,26 @@ def test_dify_streaming_that_ends_before_workflow_started_is_unknown(mock, sessi
     assert err.handle is None and "before workflow_started" in err.message
 
 
-def test_dify_streaming_error_frame_after_workflow_started_carries_the_handle(mock, session):
-    frame = {"event": "error", "task_id": "t-1", "workflow_run_id": "r-1", "code": "internal_server_error",
-             "status": 500, "message": "boom"}
+@pytest.mark.parametrize("code, status, retry", [
+    ("internal_server_error", 500, IDEM), ("completion_request_error", 400, IDEM),
+    ("too_many_requests", 429, IDEM), (None, None, IDEM), ("provider_not_initialize", 400, F)])
+def test_dify_streaming_error_frame_after_workflow_started_ends_the_run(mock, session, code, status, retry):
+    """Dify never finalizes a run that sent an error frame (its record stays running): no handle, no poll;
+    the run ran and failed, so it is retried only for an idempotent stage."""
+    frame = {"event": "error", "task_id": "t-1", "workflow_run_id": "r-1", "code": code,
+             "status": status, "message": "boom"}
     mock.post(f"{DIFY}/v1/workflows/run", body=sse(STARTED, frame), content_type="text/event-stream")
-    err = raises(U, lambda: dify_trigger(session, mode="streaming"))
-    assert err.handle == {"run_id": "r-1"} and err.platform_ids == DIFY_IDS
+    err = raises(retry, lambda: dify_trigger(session, mode="streaming"))
+    assert err.handle is None and err.outage is False and err.platform_ids == DIFY_IDS
+    assert "boom" in err.message and "r-1" in err.message
 
 
 @pytest.mark.parametrize("event", ["workflow_paused", "human_input_required"])
 def test_dify_streaming_pause_for_a_human_is_fatal(mock, session, event):
     mock.post(f"{DIFY}/v1/workflows/run", body=sse(STARTED, {"event": event, "workflow_run_id": "r-1"}),
               content_type="text/event-stream")
-    assert "waiting for input" in raises(F, lambda: dify_trigger(session, mode="streaming")).message
+    err = raises(F, lambda: dify_trigger(session, mode="streaming"))
+    assert "waiting for a person" in err.message and err.code == "waiting_human"
 
 
 def test_dify_streaming_http_error_is_classified(mock, session):
@@ -530,7 +539,7 @@ def test_coze_codes(mock, session, http_status, code, retry):
     assert err.retry_after_s == (6.0 if outage or retry is R else None)
     assert err.handle is None  # no execute_id, no debug_url
     if code:
-        assert err.code == str(code) and str(code) in err.message
+        assert err.code == ("waiting_human" if code == 6039 else str(code)) and str(code) in err.message
 
 
 STUDIO_DEBUG = "https://studio.example/work_flow?execute_id={}&space_id={}&workflow_id={}&execute_mode=2"
@@ -568,7 +577,8 @@ def test_coze_run_evidence(mock, session, code, debug_url, execute_id, retry, ha
 ])
 def test_coze_sync_run_waiting_for_input_is_fatal(mock, session, body):
     mock.post(COZE_RUN, json=body, headers=LOG)
-    assert "waiting for input" in raises(F, lambda: coze_trigger(session)).message
+    err = raises(F, lambda: coze_trigger(session))
+    assert "waiting for a person" in err.message and err.code == "waiting_human"
 
 
 def test_coze_6039_says_the_workflow_waits_for_input(mock, session):
@@ -599,8 +609,10 @@ def history(status, **record):
     (True, f"{COZE}/v1/workflow/get_run_history?workflow_id=73&execute_id=e-9"),
 ])
 def test_coze_poll(mock, session, studio, url):
+    # coze.com wraps the End node's JSON in {"Output": ...}; Coze Studio stores the variables as they are
+    output = json.dumps({"count": 3})
     mock.get(url, json=history("Running"))
-    mock.get(url, json=history("Success", output=json.dumps({"Output": json.dumps({"count": 3})})))
+    mock.get(url, json=history("Success", output=output if studio else json.dumps({"Output": output})))
     mock.get(url, json=history("Fail", error_code="5000", error_message="node LLM failed"))
     mock.get(url, json={"code": 4314, "msg": "record not found"})
     stage, handle, connector = coze_call(studio=studio), {"execute_id": "e-9"}, get_connector("coze")
@@ -620,4 +632,5 @@ def test_coze_studio_history_record(mock, session):
     stage, handle, connector = coze_call(studio=True), {"execute_id": "e-9"}, get_connector("coze")
     assert "division by zero" in raises(IDEM, lambda: connector.poll(stage, handle, session)).message
     assert "cancelled on Coze" in raises(F, lambda: connector.poll(stage, handle, session)).message
-    assert "waiting for input" in raises(F, lambda: connector.poll(stage, handle, session)).message
+    err = raises(F, lambda: connector.poll(stage, handle, session))
+    assert "waiting for a person" in err.message and err.code == "waiting_human"
