@@ -40,6 +40,7 @@ from connectors.base import (
     classify_http,
     is_outage,
     map_fields,
+    never_forwarded,
     retry_after_s,
 )
 from connectors.targets import TargetChecker, checked
@@ -275,8 +276,10 @@ def _code_error(resp: requests.Response, body: dict[str, Any], code: int | None,
         hint = f": stopped at {WAITING_FOR_INPUT}, waiting for a person{WAITING_HINT}"
     if retry is Retry.UNKNOWN:
         hint += " (a run was created: it may have run)"
+    elif code is None and never_forwarded(resp):
+        hint += " (a proxy in front refused the call without passing it on: nothing ran)"
     if code is None:
-        text = f"coze answered HTTP {resp.status_code} without a code: {message}"
+        text = f"coze answered HTTP {resp.status_code} without a code: {message}{hint}"
     else:
         where = "" if resp.ok else f" (HTTP {resp.status_code})"
         text = f"coze code {code}{where}: {message}{hint}"

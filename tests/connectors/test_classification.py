@@ -634,3 +634,78 @@ def test_coze_studio_history_record(mock, session):
     assert "cancelled on Coze" in raises(F, lambda: connector.poll(stage, handle, session)).message
     err = raises(F, lambda: connector.poll(stage, handle, session))
     assert "waiting for a person" in err.message and err.code == "waiting_human"
+
+
+# ---- end and waiting states (issue 15; docs/connectors-failure-modes.md "End and waiting states") ----
+
+@pytest.mark.parametrize("kind, make, url", CONNECTORS + [("n8n", n8n_call, HOOK)])
+@pytest.mark.parametrize("body, retry", [
+    ("no healthy upstream", R),
+    ("upstream connect error or disconnect/reset before headers. reset reason: connection failure", R),
+    ("<html><head><title>503 Service Temporarily Unavailable</title></head><body><center><h1>503 Service "
+     "Temporarily Unavailable</h1></center><hr><center>nginx</center></body></html>", R),
+    ("upstream connect error or disconnect/reset before headers. reset reason: connection termination", U),
+    ("Service Unavailable", U),
+])
+def test_a_503_is_not_delivered_only_when_a_proxy_says_it_never_passed_the_call_on(mock, session, kind, make,
+                                                                                  url, body, retry):
+    mock.post(url, status=503, body=body)
+    err = raises(retry, lambda: get_connector(kind).trigger(make(), session))
+    assert err.outage and err.status == 503
+    if retry is R:
+        assert "nothing ran" in err.message
+
+
+def test_coze_sync_text_answer_envelope_is_unwrapped(mock, session):
+    """coze-studio OpenAPIRun: an End node that answers text sends {"content_type", "data",
+    "type_for_model"}; the answer is data."""
+    envelope = {"content_type": 1, "data": json.dumps({"status": "succeeded", "output": {"n": 2}}),
+                "type_for_model": 2}
+    mock.post(f"{COZE}/v1/workflow/run", json={"code": 0, "msg": "", "data": json.dumps(envelope)})
+    assert coze_trigger(session).answer.output == {"n": 2}
+
+
+def test_coze_cloud_history_wrapper_with_other_keys_is_unwrapped_and_trimmed_output_refused(mock, session):
+    url = f"{COZE}/v1/workflows/73/run_histories/e-9"
+    wrapped = json.dumps({"Output": json.dumps({"count": 3}), "node_status": "{}"})
+    mock.get(url, json=history("Success", output=wrapped, is_output_trimmed=False))
+    mock.get(url, json=history("Success", output=json.dumps({"Output": '{"count": 3, "ro'}),
+                               is_output_trimmed=True))
+    stage, handle, connector = coze_call(), {"execute_id": "e-9"}, get_connector("coze")
+    assert connector.poll(stage, handle, session).answer.output == {"count": 3}
+    err = raises(F, lambda: connector.poll(stage, handle, session))
+    assert err.code == "output_trimmed" and "e-9" in err.message
+
+
+def waiting(wait_till, **extra):
+    return {**execution("waiting", **extra), "waitTill": wait_till}
+
+
+@pytest.mark.parametrize("wait_till, deadline, waits_for_person", [
+    ("3000-01-01T00:00:00.000Z", None, True),  # WAIT_INDEFINITELY
+    ("2999-12-31T00:00:00.000Z", 1e9, False),  # WAIT_FOR_SUB_EXECUTION: resumes when the child ends
+    ("2030-01-01T00:00:00.000Z", 1.9e9, False),  # resumes before max_run ends
+    ("2030-01-01T00:00:00.000Z", 1.8e9, True),  # resumes only after max_run
+    ("2030-01-01T00:00:00.000Z", None, False),  # no deadline known: polled until max_run
+    (None, 1e9, False),
+])
+def test_n8n_waiting_execution_is_running_unless_it_waits_past_max_run(mock, session, wait_till, deadline,
+                                                                      waits_for_person):
+    mock.get(N8N_API, json=waiting(wait_till))
+    stage = n8n_call()
+    stage = type(stage)(**{**stage.__dict__, "run_deadline_s": deadline})
+    connector = get_connector("n8n")
+    if not waits_for_person:
+        assert connector.poll(stage, {"execution_id": "77"}, session).status == "waiting"
+        return
+    err = raises(F, lambda: connector.poll(stage, {"execution_id": "77"}, session))
+    assert err.code == "waiting_human" and "execution 77" in err.message
+
+
+def test_dify_workflow_paused_alone_carries_the_prompt_in_its_reasons(mock, session):
+    paused = {"event": "workflow_paused", "workflow_run_id": "r-1", "data": {"reasons": [
+        {"TYPE": "human_input_required", "form_content": "Is this invoice correct?", "node_title": "Check"}]}}
+    mock.post(f"{DIFY}/v1/workflows/run", body=sse(STARTED, paused), content_type="text/event-stream")
+    err = raises(F, lambda: dify_trigger(session, mode="streaming"))
+    assert err.code == "waiting_human" and err.prompt == "Is this invoice correct?"
+    assert "'Check'" in err.message and err.platform_ids["workflow_run_id"] == "r-1"
