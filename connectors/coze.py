@@ -15,8 +15,11 @@ plain output. ``studio`` selects Coze Studio's run-history endpoint for polling 
 A nonzero code that shows a run was created (an ``execute_id``, or a ``debug_url`` naming a nonzero
 ``execute_id``; Coze Studio puts ``execute_id=0`` in the debug_url of errors raised before any run) is
 ``UNKNOWN``, with ``handle={"execute_id"}`` for polling. Coze drops a sync call after about 90 s while the
-run goes on: also ``UNKNOWN``. docs/connectors-failure-modes.md lists every failure and its class, with the
-sources.
+run goes on: also ``UNKNOWN``. Outputs are unwrapped by Coze's own rules (coze.com run history's
+``{"Output": ...}`` whatever other keys ride along; a text-answer End node's ``{"content_type", "data",
+"type_for_model"}``); a history record with ``is_output_trimmed`` is ``output_trimmed``, never committed; a
+question/input node (6039, ``interrupt_data``, ``<UNSET>``) is ``waiting_human``.
+docs/connectors-failure-modes.md lists every failure and its class, with the sources.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ CODE_HINTS = {
     6031: " (publish the workflow in Coze Studio: the API runs the published version only)",
     700012006: " (Coze Studio rejected the token)",
 }
-WAITING_FOR_INPUT = "a question/input node"
+QUESTION_NODE = "a question/input node"
 WAITING_HINT = (": the run stays interrupted in Coze (its answer does not reach batchgate); remove the "
                 "question/input node from the workflow batchgate calls")
 TRIMMED_HINT = (" (Coze keeps at most about 1 MB of an End node's output in run history, and its "
@@ -196,8 +199,9 @@ def _sync_outcome(body: dict[str, Any], call: StageCall, pids: dict[str, str]) -
     """A sync answer with code 0: the output, unless the run stopped at a question/input node."""
     data = body.get("data")
     if body.get("interrupt_data") or data in (None, ""):
-        raise waiting_for_person(f"coze run {pids.get('execute_id') or ''} stopped at {WAITING_FOR_INPUT}",
-                                 call, platform_ids=pids, hint=WAITING_HINT)
+        run = f"coze run {pids['execute_id']}" if pids.get("execute_id") else "the coze run"
+        raise waiting_for_person(f"{run} stopped at {QUESTION_NODE}", call, platform_ids=pids,
+                                 hint=WAITING_HINT)
     return Done(_answer(data, pids, envelope=True), pids)
 
 
@@ -273,7 +277,7 @@ def _code_error(resp: requests.Response, body: dict[str, Any], code: int | None,
     waiting = code in WAITING_CODES
     hint = CODE_HINTS.get(code, "")
     if waiting:
-        hint = f": stopped at {WAITING_FOR_INPUT}, waiting for a person{WAITING_HINT}"
+        hint = f": stopped at {QUESTION_NODE}, waiting for a person{WAITING_HINT}"
     if retry is Retry.UNKNOWN:
         hint += " (a run was created: it may have run)"
     elif code is None and never_forwarded(resp):
@@ -312,7 +316,7 @@ def _record_outcome(record: dict[str, Any], handle: dict[str, Any], call: StageC
         raise PlatformError(f"{name} was cancelled on Coze", Retry.FATAL, platform_ids=pids)
     if status == "<UNSET>":
         # Coze Studio prints an interrupted run's status 5, outside its thrift enum, as "<UNSET>"
-        raise waiting_for_person(f"{name} is interrupted (execute_status <UNSET>) at {WAITING_FOR_INPUT}",
+        raise waiting_for_person(f"{name} is interrupted (execute_status <UNSET>) at {QUESTION_NODE}",
                                  call, platform_ids=pids, hint=WAITING_HINT)
     raise PlatformError(f"{name} has execute_status {clip(status)!r}, which batchgate does not handle",
                         Retry.FATAL, platform_ids=pids)
