@@ -30,6 +30,7 @@ import enum
 import hashlib
 import hmac
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,14 @@ from typing import Any, Protocol
 
 import requests
 import urllib3
+
+WAITING_HUMAN = "waiting_human"
+"""Error type (``PlatformError.code``) of a run that stopped to wait for a person: an n8n Wait or "send and
+wait" node without a time limit (or one past the stage's max_run), a Dify human-input node, a Coze
+question/input node. batchgate cannot answer it; the batch fails with this type and the platform's prompt."""
+OUTPUT_TRIMMED = "output_trimmed"
+"""Error type of a run that succeeded but whose platform cut its output (Coze ``is_output_trimmed``): a cut
+result is never committed."""
 
 ENVELOPE_FIELDS = ("job_id", "seq", "stage", "attempt", "idempotency_key", "cursor", "items",
                    "items_url", "input", "params", "callback_url")
@@ -57,7 +66,8 @@ class PlatformError(Exception):
     def __init__(self, message: str, retry: Retry, *, retry_after_s: float | None = None,
                  status: int | None = None, code: str | None = None,
                  platform_ids: dict[str, str] | None = None, outage: bool = False,
-                 handle: dict[str, Any] | None = None, booting: bool = False) -> None:
+                 handle: dict[str, Any] | None = None, booting: bool = False,
+                 prompt: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.retry = retry
@@ -73,6 +83,8 @@ class PlatformError(Exception):
         #: with UNKNOWN: the poll handle of the run the platform created (``connector.poll`` accepts it), so
         #: the outcome can be learnt by polling rather than by running the flow again; None when no run id
         self.handle = handle
+        #: with code WAITING_HUMAN: what the platform asks the person (clipped), when its API tells
+        self.prompt = prompt
 
     def retryable_for(self, stage_idempotent: bool) -> bool:
         """Whether the gateway may try again, given the stage's idempotency."""
@@ -128,6 +140,9 @@ class StageCall:
     #: called (no arguments, at most once a second) while a long call shows life, e.g. on each Dify stream
     #: event; the gateway heartbeats the lease there. Exceptions it raises are logged and ignored.
     on_progress: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    #: unix time at which this attempt's ``max_run`` ends (its platform call + max_run), when known: a run
+    #: that will not resume before it (an n8n execution waiting past it) is not polled on
+    run_deadline_s: float | None = None
 
     @property
     def idempotency_key(self) -> str:
@@ -160,6 +175,9 @@ class Accepted:
 class Running:
     handle: dict[str, Any]
     platform_ids: dict[str, str] = field(default_factory=dict)
+    #: the platform's own word for the run's state (n8n ``waiting``, Dify ``running``...): the batch log
+    #: records a poll only when this changes
+    status: str = field(default="running", compare=False)
 
 
 Outcome = Done | Accepted | Running
@@ -230,16 +248,41 @@ _RETRY_AFTER = urllib3.util.Retry()
 def classify_http(resp: requests.Response, *, poll: bool = False) -> Retry:
     """The shared HTTP status classification.
 
-    429: RETRYABLE (an outage, see :func:`is_outage`). 5xx on a call that starts a run (``poll`` False):
-    UNKNOWN, the request was delivered and the run may go on behind a gateway that gave up (503 too, and
-    it is also an outage). 5xx on a poll (a read without side effects): RETRYABLE. Anything else: FATAL.
+    429: RETRYABLE (an outage, see :func:`is_outage`). A 503 that a proxy in front answered without
+    forwarding the call (:func:`never_forwarded`): RETRYABLE, nothing ran. Any other 5xx on a call that
+    starts a run (``poll`` False): UNKNOWN, the request was delivered and the run may go on behind a gateway
+    that gave up (a bare 503 too, which is also an outage). 5xx on a poll (a read without side effects):
+    RETRYABLE. Anything else: FATAL.
     """
     status = resp.status_code
-    if status == 429:
+    if status == 429 or never_forwarded(resp):
         return Retry.RETRYABLE
     if status >= 500:
         return Retry.RETRYABLE if poll else Retry.UNKNOWN
     return Retry.FATAL
+
+
+NOT_FORWARDED_503 = re.compile(
+    r"^no healthy upstream$"
+    r"|^upstream connect error or disconnect/reset before headers\. reset reason: "
+    r"(?:remote )?(?:connection failure|overflow)"
+    r"|<center>nginx</center>", re.IGNORECASE)
+"""Bodies of a 503 that the proxy in front wrote without passing the call on: Envoy's "no healthy
+upstream", its connect failure and circuit-breaker overflow (not "connection termination" or "remote reset",
+which may come after the request went through, nor "retried and the latest reset reason", whose earlier
+tries may have reached the platform), and nginx's own error page (its 503s are limit_req/limit_conn
+refusals; an upstream's 503 is passed through with the upstream's body)."""
+
+
+def never_forwarded(resp: requests.Response) -> bool:
+    """Whether a 503 provably never reached the platform: a proxy refused it (:data:`NOT_FORWARDED_503`)."""
+    if resp.status_code != 503:
+        return False
+    try:
+        text = (resp.text or "").strip()[:2000]
+    except (requests.RequestException, RuntimeError):  # a body already consumed or cut
+        return False
+    return bool(NOT_FORWARDED_503.search(text))
 
 
 def is_outage(status: int | None) -> bool:

@@ -15,8 +15,11 @@ plain output. ``studio`` selects Coze Studio's run-history endpoint for polling 
 A nonzero code that shows a run was created (an ``execute_id``, or a ``debug_url`` naming a nonzero
 ``execute_id``; Coze Studio puts ``execute_id=0`` in the debug_url of errors raised before any run) is
 ``UNKNOWN``, with ``handle={"execute_id"}`` for polling. Coze drops a sync call after about 90 s while the
-run goes on: also ``UNKNOWN``. docs/connectors-failure-modes.md lists every failure and its class, with the
-sources.
+run goes on: also ``UNKNOWN``. Outputs are unwrapped by Coze's own rules (coze.com run history's
+``{"Output": ...}`` whatever other keys ride along; a text-answer End node's ``{"content_type", "data",
+"type_for_model"}``); a history record with ``is_output_trimmed`` is ``output_trimmed``, never committed; a
+question/input node (6039, ``interrupt_data``, ``<UNSET>``) is ``waiting_human``.
+docs/connectors-failure-modes.md lists every failure and its class, with the sources.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from urllib.parse import parse_qs, quote, urlencode, urlsplit
 import requests
 
 from connectors.base import (
+    WAITING_HUMAN,
     Answer,
     Done,
     Outcome,
@@ -39,6 +43,7 @@ from connectors.base import (
     classify_http,
     is_outage,
     map_fields,
+    never_forwarded,
     retry_after_s,
 )
 from connectors.targets import TargetChecker, checked
@@ -50,7 +55,9 @@ from connectors.transport import (
     json_body,
     parse_json_text,
     require_secret,
+    output_trimmed,
     send,
+    waiting_for_person,
 )
 
 PLATFORM = "coze"
@@ -73,8 +80,15 @@ CODE_HINTS = {
     6031: " (publish the workflow in Coze Studio: the API runs the published version only)",
     700012006: " (Coze Studio rejected the token)",
 }
-WAITING_FOR_INPUT = ("the workflow is waiting for input (a question/input node); batchgate cannot answer it: "
-                     "remove the node from the workflow")
+QUESTION_NODE = "a question/input node"
+WAITING_HINT = (": the run stays interrupted in Coze (its answer does not reach batchgate); remove the "
+                "question/input node from the workflow batchgate calls")
+TRIMMED_HINT = (" (Coze keeps at most about 1 MB of an End node's output in run history, and its "
+                "execute_nodes API serves output nodes only, not the End node: return a smaller output, e.g. "
+                "a reference to where the full result is stored)")
+ANSWER_ENVELOPE = frozenset({"content_type", "data", "type_for_model"})
+"""The wrapper of a sync run whose End node answers text rather than variables (coze-studio
+``OpenAPIRun``: ``{"content_type": 1, "data": <output>, "type_for_model": 2}``): the answer is ``data``."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +102,10 @@ class CozeAssumptions:
     unknown_code_retry: Retry = Retry.FATAL
     """Class of a nonzero code outside the contracts file's lists, on a 2xx answer."""
     history_output_wrapper: str | None = "Output"
-    """A run-history ``output`` of the form ``{"Output": "<json>"}`` is unwrapped to that inner JSON."""
+    """coze.com's run-history ``output`` is an object whose ``Output`` holds the End node's JSON, beside
+    other keys (``node_status``...): the answer is that inner JSON (coze-py tests/test_workflow_run_history.py
+    ``{"Output":"null"}``). Coze Studio stores the End node's variables as they are (coze-studio
+    event_handle.go ``setRootWorkflowSuccess``: ``mustMarshalToString(event.Output)``): not unwrapped."""
     log_id_header: str = "X-Tt-Logid"
 
 
@@ -143,7 +160,7 @@ class CozeConnector:
                     payload=payload, auth=_auth(call))
         body, pids = _checked_body(resp, call)
         if target["mode"] == "sync":
-            return _sync_outcome(body, pids)
+            return _sync_outcome(body, call, pids)
         if not pids.get("execute_id"):
             raise PlatformError("coze accepted the async run without an execute_id", Retry.FATAL,
                                 platform_ids=pids)
@@ -163,7 +180,7 @@ class CozeConnector:
             raise PlatformError(f"coze run history has no record of execute_id {execute_id}", Retry.FATAL,
                                 platform_ids=pids)
         pids.update(ids(debug_url=record.get("debug_url")))
-        return _record_outcome(record, handle, call, pids)
+        return _record_outcome(record, handle, call, pids, studio=target["studio"])
 
 
 def _auth(call: StageCall) -> dict[str, str]:
@@ -178,12 +195,14 @@ def _history_url(target: dict[str, Any], execute_id: str) -> str:
     return f"{base}/v1/workflows/{quote(workflow_id, safe='')}/run_histories/{quote(execute_id, safe='')}"
 
 
-def _sync_outcome(body: dict[str, Any], pids: dict[str, str]) -> Outcome:
+def _sync_outcome(body: dict[str, Any], call: StageCall, pids: dict[str, str]) -> Outcome:
     """A sync answer with code 0: the output, unless the run stopped at a question/input node."""
     data = body.get("data")
     if body.get("interrupt_data") or data in (None, ""):
-        raise PlatformError(f"coze: {WAITING_FOR_INPUT}", Retry.FATAL, platform_ids=pids)
-    return Done(_answer(data, pids), pids)
+        run = f"coze run {pids['execute_id']}" if pids.get("execute_id") else "the coze run"
+        raise waiting_for_person(f"{run} stopped at {QUESTION_NODE}", call, platform_ids=pids,
+                                 hint=WAITING_HINT)
+    return Done(_answer(data, pids, envelope=True), pids)
 
 
 def _checked_body(resp: requests.Response, call: StageCall, execute_id: str | None = None,
@@ -255,30 +274,38 @@ def _code_error(resp: requests.Response, body: dict[str, Any], code: int | None,
         retry = UNVERIFIED.unknown_code_retry
     message = clip(body.get("msg") or body.get("message") or (resp.text if not body else "") or "no message",
                    call)
-    hint = f": {WAITING_FOR_INPUT}" if code in WAITING_CODES else CODE_HINTS.get(code, "")
+    waiting = code in WAITING_CODES
+    hint = CODE_HINTS.get(code, "")
+    if waiting:
+        hint = f": stopped at {QUESTION_NODE}, waiting for a person{WAITING_HINT}"
     if retry is Retry.UNKNOWN:
         hint += " (a run was created: it may have run)"
+    elif code is None and never_forwarded(resp):
+        hint += " (a proxy in front refused the call without passing it on: nothing ran)"
     if code is None:
-        text = f"coze answered HTTP {resp.status_code} without a code: {message}"
+        text = f"coze answered HTTP {resp.status_code} without a code: {message}{hint}"
     else:
         where = "" if resp.ok else f" (HTTP {resp.status_code})"
         text = f"coze code {code}{where}: {message}{hint}"
     outage = is_outage(resp.status_code) or (code in OUTAGE_CODES and retry is Retry.RETRYABLE)
     return PlatformError(text, retry,
                          retry_after_s=retry_after_s(resp) if retry is Retry.RETRYABLE or outage else None,
-                         status=resp.status_code, code=None if code is None else str(code), platform_ids=pids,
+                         status=resp.status_code, platform_ids=pids,
+                         code=WAITING_HUMAN if waiting else None if code is None else str(code),
                          outage=outage,
                          handle={"execute_id": execute_id} if execute_id and retry is Retry.UNKNOWN else None)
 
 
 def _record_outcome(record: dict[str, Any], handle: dict[str, Any], call: StageCall,
-                    pids: dict[str, str]) -> Outcome:
+                    pids: dict[str, str], studio: bool = False) -> Outcome:
     status = str(record.get("execute_status") or "")
     name = f"coze run {pids.get('execute_id')}"
     if status.lower() == "running":
-        return Running(dict(handle), pids)
+        return Running(dict(handle), pids, status=status)
     if status.lower() == "success":
-        return Done(_answer(record.get("output"), pids, history=True), pids)
+        if record.get("is_output_trimmed") is True:  # coze.com: the End node's output was cut
+            raise output_trimmed(name, pids, TRIMMED_HINT)
+        return Done(_answer(record.get("output"), pids, wrapped=not studio), pids)
     if status.lower() == "fail":
         code = record.get("error_code")
         # coze.com / coze-py: error_message; Coze Studio's WorkflowExecuteHistory: error_msg
@@ -289,16 +316,23 @@ def _record_outcome(record: dict[str, Any], handle: dict[str, Any], call: StageC
         raise PlatformError(f"{name} was cancelled on Coze", Retry.FATAL, platform_ids=pids)
     if status == "<UNSET>":
         # Coze Studio prints an interrupted run's status 5, outside its thrift enum, as "<UNSET>"
-        raise PlatformError(f"{name} stopped without finishing (execute_status <UNSET>, an interrupted run): "
-                            f"{WAITING_FOR_INPUT}", Retry.FATAL, platform_ids=pids)
+        raise waiting_for_person(f"{name} is interrupted (execute_status <UNSET>) at {QUESTION_NODE}",
+                                 call, platform_ids=pids, hint=WAITING_HINT)
     raise PlatformError(f"{name} has execute_status {clip(status)!r}, which batchgate does not handle",
                         Retry.FATAL, platform_ids=pids)
 
 
-def _answer(output: Any, pids: dict[str, str], history: bool = False) -> Answer:
-    """An answer from Coze's JSON-string output: the contract when it has ``status``, else plain output."""
+def _answer(output: Any, pids: dict[str, str], *, wrapped: bool = False, envelope: bool = False) -> Answer:
+    """An answer from Coze's JSON-string output, unwrapped by Coze's own rules, then the contract when it
+    has ``status``, else plain output.
+
+    ``wrapped`` (coze.com's run history): the ``Output`` of the record's wrapper, whatever other keys it
+    has. ``envelope`` (a sync answer): ``data`` of the text-answer envelope (:data:`ANSWER_ENVELOPE`).
+    """
     value = parse_json_text(output)
     wrapper = UNVERIFIED.history_output_wrapper
-    if history and wrapper and isinstance(value, dict) and set(value) == {wrapper}:
+    if wrapped and wrapper and isinstance(value, dict) and wrapper in value:
         value = parse_json_text(value[wrapper])
+    elif envelope and isinstance(value, dict) and set(value) == ANSWER_ENVELOPE:
+        value = parse_json_text(value["data"])
     return answer_from_value(value, pids)

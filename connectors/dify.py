@@ -14,7 +14,10 @@ can come back as HTTP 200.
 long run keeps the connection alive), calling ``call.on_progress`` as events arrive. It never hangs up
 early: a client that closes the stream before ``workflow_finished`` leaves the run ``running`` for ever in
 Dify's records (langgenius/dify #12798, #20237, #23654), so a poll would never end. Only when the stream
-breaks after ``workflow_started`` does the connector return ``Running({"run_id"})`` to poll. ``blocking``
+breaks after ``workflow_started`` does the connector return ``Running({"run_id"})`` to poll. An
+``error`` frame ends the run (Dify never finalizes its record either, so it is never polled); a
+human-input node (``human_input_required``, ``workflow_paused``, status ``paused``) is ``waiting_human``
+with its prompt. ``blocking``
 waits for the whole run in one response, which Dify Cloud's gateway cuts at about 60 s while the run goes on
 (and is billed): such a cut is ``UNKNOWN`` without a run id, so use streaming for long runs.
 docs/connectors-failure-modes.md lists every failure and its class, with the sources.
@@ -47,6 +50,7 @@ from connectors.transport import (
     parse_json_text,
     require_secret,
     send,
+    waiting_for_person,
 )
 
 PLATFORM = "dify"
@@ -69,8 +73,8 @@ CODE_HINTS = {
                                                "workflow_id to run the published version)"),
     "too_many_requests": " (the app's concurrent-run limit; Dify sends no Retry-After)",
 }
-WAITING_FOR_INPUT = ("the workflow is waiting for input (a human-input node); batchgate cannot answer it: "
-                     "remove the node from the app")
+WAITING_HINT = (": the run stays paused in Dify until a person answers it there (that answer does not reach "
+                "batchgate); remove the human-input node from the app to run it through batchgate")
 READ_SIZE = 8192
 
 
@@ -89,8 +93,12 @@ class DifyAssumptions:
     """Finished with outputs; ``partial-succeeded``: nodes failed under an error strategy the flow set."""
     running_statuses: tuple[str, ...] = ("running",)
     paused_statuses: tuple[str, ...] = ("paused",)
-    """Waiting for a human (human-input node): FATAL, batchgate cannot answer."""
-    paused_events: tuple[str, ...] = ("workflow_paused", "human_input_required")
+    """Waiting for a human (human-input node): FATAL ``waiting_human``, batchgate cannot answer."""
+    human_input_event: str = "human_input_required"
+    """Frame of a human-input node; its ``data`` has ``form_content`` (the prompt) and ``node_title``
+    (api/core/workflow/nodes/human_input/pause_reason.py ``HumanInputRequired``)."""
+    paused_event: str = "workflow_paused"
+    """Frame of a run that paused; the stream ends after it."""
 
 
 UNVERIFIED = DifyAssumptions()
@@ -185,13 +193,13 @@ def _run_outcome(data: Any, pids: dict[str, str], call: StageCall) -> Outcome:
     if status == "stopped":
         raise PlatformError(f"dify run {run_id} was stopped", Retry.FATAL, platform_ids=pids)
     if status in UNVERIFIED.paused_statuses:
-        raise PlatformError(f"dify run {run_id} is {status}: {WAITING_FOR_INPUT}", Retry.FATAL,
-                            platform_ids=pids)
+        raise waiting_for_person(f"dify run {run_id} is {status} at a human-input node", call,
+                                 platform_ids=pids, hint=WAITING_HINT)
     if status in UNVERIFIED.running_statuses:
         if not run_id:
             raise PlatformError(f"dify run is {status} but gave no workflow_run_id to poll", Retry.FATAL,
                                 platform_ids=pids)
-        return Running({"run_id": run_id}, pids)
+        return Running({"run_id": run_id}, pids, status=str(status))
     raise PlatformError(f"dify run {run_id} has status {clip(status)!r}, which batchgate does not handle",
                         Retry.FATAL, platform_ids=pids)
 
@@ -223,29 +231,55 @@ def _http_error(resp: requests.Response, body: Any, call: StageCall,
 
 
 def _event_error(event: dict[str, Any], call: StageCall, pids: dict[str, str]) -> PlatformError:
-    """An ``error`` frame: by its code, else by its status (5xx: UNKNOWN, the run had been requested)."""
+    """An ``error`` frame ends the run; it is never polled.
+
+    Dify writes an ``error`` frame when the generation raised (``_error_to_stream_response``) and then
+    ends the stream without ever finalizing the run's record, which stays ``running``: a poll would never
+    end. After ``workflow_started`` the run ran and failed, possibly after side effects: IF_IDEMPOTENT
+    (FATAL for the codes that rule a retry out). Before it, by code, else by status (429 RETRYABLE, 5xx
+    UNKNOWN: the run had been requested, other FATAL), with no handle either way.
+    """
     code, status = event.get("code"), event.get("status")
+    run_id = pids.get("workflow_run_id")
     retry = code_retry(code)
-    if retry is None and isinstance(status, int):
+    if run_id:
+        retry = Retry.FATAL if retry is Retry.FATAL else Retry.IF_IDEMPOTENT
+    elif retry is None and isinstance(status, int):
         retry = (Retry.RETRYABLE if status == 429 else Retry.UNKNOWN if status >= 500 else Retry.FATAL)
     retry = retry or UNVERIFIED.error_event_retry
     message = clip(event.get("message") or "no error message", call)
-    run_id = pids.get("workflow_run_id")
-    return PlatformError(f"dify stream error {code or '(no code)'}: {message}", retry,
+    where = f"dify run {run_id} ended with" if run_id else "dify answered the run request with"
+    return PlatformError(f"{where} an error event {code or '(no code)'}: {message}", retry,
                          status=status if isinstance(status, int) else None,
-                         code=str(code) if code else None, platform_ids=pids, outage=status == 429,
-                         handle={"run_id": run_id} if run_id and retry is Retry.UNKNOWN else None)
+                         code=str(code) if code else None, platform_ids=pids,
+                         outage=status == 429 and not run_id)
+
+
+def _human_input(event: dict[str, Any]) -> tuple[str, str | None]:
+    """Where a paused run waits and its prompt, from a ``human_input_required`` or ``workflow_paused``
+    frame (whose ``data.reasons`` carry the same fields)."""
+    data = event.get("data") if isinstance(event.get("data"), dict) else {}
+    reasons = data.get("reasons") if isinstance(data.get("reasons"), list) else []
+    found = data if "form_content" in data else next(
+        (r for r in reasons if isinstance(r, dict) and "form_content" in r), {})
+    title = found.get("node_title") or found.get("node_id")
+    prompt = found.get("form_content")
+    return (f"human-input node {title!r}" if isinstance(title, str) else "a human-input node",
+            prompt if isinstance(prompt, str) else None)
 
 
 def _read_stream(resp: requests.Response, call: StageCall) -> Outcome:
     """Read events to ``workflow_finished`` (the run's outcome), calling ``on_progress`` on each frame.
 
-    The stream is never closed early (that leaves the run ``running`` in Dify for ever). If it breaks or
-    ends before ``workflow_finished``: ``Running`` with the run id when ``workflow_started`` gave one, else
-    ``UNKNOWN`` (the run may have started). Without ``workflow_started`` within ``call.timeout_s`` (pings
-    only): ``UNKNOWN``.
+    The stream is never closed early (that leaves the run ``running`` in Dify for ever). An ``error``
+    frame ends the run (:func:`_event_error`); a human-input node is read on to ``workflow_paused`` and
+    raised as ``waiting_human`` with its ``form_content``. If the stream breaks or ends before
+    ``workflow_finished``: ``Running`` with the run id when ``workflow_started`` gave one, else ``UNKNOWN``
+    (the run may have started). Without ``workflow_started`` within ``call.timeout_s`` (pings only):
+    ``UNKNOWN``.
     """
     pids: dict[str, str] = {}
+    asked = NOT_ASKED
     progress = Progress(call)
     started_by = time.monotonic() + call.timeout_s
     try:
@@ -265,12 +299,27 @@ def _read_stream(resp: requests.Response, call: StageCall) -> Outcome:
                 return _run_outcome(event.get("data"), pids, call)
             elif kind == UNVERIFIED.error_event:
                 raise _event_error(event, call, pids)
-            elif kind in UNVERIFIED.paused_events:
-                raise PlatformError(f"dify run {pids.get('workflow_run_id')} paused ({kind}): "
-                                    f"{WAITING_FOR_INPUT}", Retry.FATAL, platform_ids=pids)
+            elif kind == UNVERIFIED.human_input_event:
+                asked = _human_input(event)  # read on to workflow_paused, as Dify's own clients do
+            elif kind == UNVERIFIED.paused_event:
+                raise _paused(call, pids, asked if asked[1] else _human_input(event))
     except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
+        if asked != NOT_ASKED:  # the run paused; the stream broke before workflow_paused
+            raise _paused(call, pids, asked) from exc
         return _stream_broke(call, pids, exc)
+    if asked != NOT_ASKED:
+        raise _paused(call, pids, asked)
     return _stream_broke(call, pids, None)
+
+
+NOT_ASKED: tuple[str, str | None] = ("", None)
+
+
+def _paused(call: StageCall, pids: dict[str, str], asked: tuple[str, str | None]) -> PlatformError:
+    where, prompt = asked
+    run = f"dify run {pids.get('workflow_run_id')}"
+    return waiting_for_person(f"{run} paused at {where or 'a human-input node'}", call, prompt, pids,
+                              hint=WAITING_HINT)
 
 
 def _stream_broke(call: StageCall, pids: dict[str, str], exc: BaseException | None) -> Outcome:

@@ -27,19 +27,37 @@ Failure classes (observed on n8n 1.82.3 and 2.41.1; docs/n8n-notes.md has the bo
   (409 "is running already": ``RETRYABLE``).
 - A poll 404 on an execution id n8n gave: n8n deleted the execution (the instance or workflow does not
   save successful executions): ``UNKNOWN``.
+- A 503 that a proxy in front wrote without forwarding the call (``base.never_forwarded``: Envoy's "no
+  healthy upstream" or connect failure, nginx's own page): nothing ran, ``RETRYABLE``, ``outage``.
+- A polled execution ``waiting`` with ``waitTill`` WAIT_INDEFINITELY (a Wait, Form or "send and wait"
+  node with no limit) or past the attempt's max_run (``StageCall.run_deadline_s``): ``FATAL``
+  ``waiting_human`` with the node and, when n8n includes ``workflowData``, its prompt. A shorter wait, or
+  a parent parked on a sub-execution, is running.
 """
 
 from __future__ import annotations
 
 import base64
 import re
+import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 import requests
 
-from connectors.base import Accepted, Answer, Done, Outcome, PlatformError, Retry, Running, StageCall
+from connectors.base import (
+    Accepted,
+    Answer,
+    Done,
+    Outcome,
+    PlatformError,
+    Retry,
+    Running,
+    StageCall,
+    never_forwarded,
+)
 from connectors.targets import TargetChecker, checked
 from connectors.transport import (
     answer_from_value,
@@ -55,6 +73,7 @@ from connectors.transport import (
     require_secret,
     retry_after_s,
     send,
+    waiting_for_person,
 )
 
 PLATFORM = "n8n"
@@ -70,6 +89,18 @@ STARTING_UP = "n8n is starting up. Please wait"
 """n8n's answer (HTTP 200, text/html) to any request while its database migrations run (abstract-server)."""
 DB_NOT_READY = "Database is not ready"
 """n8n's 503 message while its database is not connected: no workflow ran."""
+WAIT_INDEFINITELY = datetime.fromisoformat("3000-01-01T00:00:00+00:00").timestamp()
+"""n8n's ``waitTill`` of a Wait / Form / "send and wait" node with no time limit (n8n-workflow
+``constants.ts`` WAIT_INDEFINITELY): the execution waits for a person (or a webhook call) for ever."""
+WAIT_FOR_SUB_EXECUTION = datetime.fromisoformat("2999-12-31T00:00:00+00:00").timestamp()
+"""n8n's ``waitTill`` of a parent parked on a sub-execution (constants.ts WAIT_FOR_SUB_EXECUTION): it
+resumes when the child ends, so it is running."""
+PROMPT_PARAMETERS = ("message", "subject", "formTitle", "formDescription")
+"""Parameters of the waiting node that hold what it asks the person (send-and-wait ``message``/``subject``,
+Form ``formTitle``/``formDescription``); read when the execution comes with its ``workflowData``."""
+WAITING_HINT = (": the execution stays waiting in n8n until a person answers it there (its result does "
+                "not reach this batch); give the node a time limit within the stage's max_run, or remove "
+                "it from the workflow batchgate calls")
 DELETED_HINT = ("save successful executions for polled flows (EXECUTIONS_DATA_SAVE_ON_SUCCESS=all or the "
                 "workflow setting)")
 
@@ -241,6 +272,9 @@ def _webhook_error(resp: requests.Response, body: Any, call: StageCall,
         retry, hint = Retry.IF_IDEMPOTENT, " (the workflow ran and failed; it may have had side effects)"
     elif status == 429:
         retry, outage = Retry.RETRYABLE, True
+    elif status == 503 and never_forwarded(resp):
+        retry, outage = Retry.RETRYABLE, True
+        hint = " (a proxy in front refused the call without passing it on: nothing ran)"
     elif status >= 500:
         retry, outage = Retry.UNKNOWN, status == 503
         hint = " (the workflow may have run)"
@@ -309,8 +343,10 @@ def _execution_outcome(body: dict[str, Any], handle: dict[str, Any], call: Stage
     name = f"n8n execution {pids['execution_id']}"
     if status == "success":
         return Done(_last_node_answer(body, name, pids), pids)
+    if status == "waiting":
+        _raise_if_waiting_for_person(body, call, name, pids)
     if status in RUNNING_STATUSES:
-        return Running(dict(handle), pids)
+        return Running(dict(handle), pids, status=str(status))
     if status in FAILED_STATUSES:
         error = dig(body, "data", "resultData", "error") or {}
         node = dig(error, "node", "name")
@@ -322,6 +358,54 @@ def _execution_outcome(body: dict[str, Any], handle: dict[str, Any], call: Stage
         raise PlatformError(f"{name} was canceled", Retry.FATAL, platform_ids=pids)
     raise PlatformError(f"{name} has status {clip(status)!r}, which batchgate does not handle",
                         UNVERIFIED.other_status_retry, platform_ids=pids)
+
+
+def _raise_if_waiting_for_person(body: dict[str, Any], call: StageCall, name: str,
+                                 pids: dict[str, str]) -> None:
+    """A ``waiting`` execution that will not resume by itself before the attempt's max_run ends.
+
+    ``waitTill`` WAIT_INDEFINITELY: a Wait/Form/"send and wait" node waits for a person with no limit.
+    A ``waitTill`` past ``call.run_deadline_s``: it resumes only after the attempt would have failed as
+    ``max_run``. Both are ``waiting_human``, with the node's name and prompt. A short wait, a parent
+    parked on a sub-execution, or no ``waitTill``: still running.
+    """
+    wait_till = _timestamp(body.get("waitTill"))
+    if wait_till is None or wait_till == WAIT_FOR_SUB_EXECUTION:
+        return
+    deadline = call.run_deadline_s
+    if wait_till < WAIT_INDEFINITELY and (deadline is None or wait_till <= deadline):
+        return
+    node = dig(body, "data", "resultData", "lastNodeExecuted")
+    where = f" at node {node!r}" if isinstance(node, str) else ""
+    if wait_till >= WAIT_INDEFINITELY:
+        what = f"{name} is waiting{where} with no time limit"
+    else:
+        until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wait_till))
+        what = (f"{name} is waiting{where} until {until}, after the stage's max_run ends "
+                f"({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(deadline))})")
+    raise waiting_for_person(what, call, _prompt(body, node), pids, hint=WAITING_HINT)
+
+
+def _timestamp(value: Any) -> float | None:
+    """Unix seconds of an ISO 8601 date-time (n8n's ``waitTill``), or None."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _prompt(body: dict[str, Any], node: Any) -> str | None:
+    """What the waiting node asks, from the execution's ``workflowData`` when n8n includes it."""
+    nodes = dig(body, "workflowData", "nodes")
+    found = [n for n in (nodes if isinstance(nodes, list) else []) if isinstance(n, dict)
+             and n.get("name") == node]
+    parameters = found[0].get("parameters") if found else None
+    if not isinstance(parameters, dict):
+        return None
+    return next((parameters[k] for k in PROMPT_PARAMETERS if isinstance(parameters.get(k), str)
+                 and parameters[k].strip()), None)
 
 
 def _last_node_answer(body: dict[str, Any], name: str, pids: dict[str, str]) -> Answer:

@@ -30,6 +30,8 @@ import requests
 import urllib3
 
 from connectors.base import (
+    OUTPUT_TRIMMED,
+    WAITING_HUMAN,
     Answer,
     PlatformError,
     Retry,
@@ -37,6 +39,7 @@ from connectors.base import (
     classify_http,
     encode,
     is_outage,
+    never_forwarded,
     retry_after_s,
     signed_headers,
 )
@@ -245,12 +248,33 @@ def http_error(resp: requests.Response, call: StageCall, platform: str, *, retry
     """
     retry = retry or classify_http(resp, poll=poll)
     outage = is_outage(resp.status_code)
+    if retry is Retry.RETRYABLE and never_forwarded(resp):
+        hint += " (a proxy in front refused the call without passing it on: nothing ran)"
     text = message if message is not None else platform_message(resp, json_body(resp))
     return PlatformError(f"{platform} answered HTTP {resp.status_code}: {clip(text, call)}{hint}", retry,
                          retry_after_s=retry_after_s(resp) if retry is Retry.RETRYABLE or outage else None,
                          status=resp.status_code, code=None if code is None else str(code),
                          platform_ids=platform_ids, outage=outage,
                          handle=handle if retry is Retry.UNKNOWN else None)
+
+
+def waiting_for_person(what: str, call: StageCall, prompt: Any = None,
+                       platform_ids: dict[str, str] | None = None, hint: str = "") -> PlatformError:
+    """FATAL ``waiting_human``: the run stopped to wait for a person, which batchgate cannot be.
+
+    ``what`` names the run and where it waits; ``prompt`` is the platform's question to the person, kept
+    (clipped, secrets removed) in the message and in ``PlatformError.prompt``.
+    """
+    shown = clip(prompt, call) if isinstance(prompt, str) and prompt.strip() else None
+    text = f"{what}: waiting for a person" + (f" ({shown})" if shown else "")
+    return PlatformError(f"{text}; batchgate cannot answer it{hint}", Retry.FATAL, code=WAITING_HUMAN,
+                         platform_ids=platform_ids, prompt=shown)
+
+
+def output_trimmed(what: str, platform_ids: dict[str, str] | None = None, hint: str = "") -> PlatformError:
+    """FATAL ``output_trimmed``: the run succeeded but the platform cut its output; never committed."""
+    return PlatformError(f"{what} succeeded but the platform trimmed its output; a cut result is never "
+                         f"committed{hint}", Retry.FATAL, code=OUTPUT_TRIMMED, platform_ids=platform_ids)
 
 
 def contract_error(reason: str, platform_ids: dict[str, str] | None = None) -> PlatformError:

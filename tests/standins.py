@@ -21,6 +21,24 @@ StandinDify (langgenius/dify service API, workflow app):
   Retry-After (libs/external_api.py sets none). ``published`` False: 400 ``invalid_param`` "Workflow not
   published". ``free_plan``: a pinned ``workflow_id`` gets 403 ``workflow_version_execution_not_allowed``.
   ``poll_unavailable``: polls answer 503.
+- ``stream_error`` (a dict: ``code``, ``status``, ``message``): a streaming run sends ``workflow_started``,
+  then after ``error_after_s`` an ``error`` frame with those fields and ends the stream. The run is billed
+  and its record stays ``running`` for ever: Dify's generate pipeline writes the error frame and never
+  finalizes the run (issue 15; ``base_app_generate_response_converter._error_to_stream_response``).
+- ``human_input`` (the form's text): a streaming run stops at a human-input node: ``workflow_started``,
+  ``human_input_required`` (``form_content``, ``node_title``; api/core/workflow/nodes/human_input/
+  pause_reason.py), ``workflow_paused``, end of stream; its record says ``paused``. Billed once.
+
+StandinN8n (n8n-io/n8n: a production webhook answering ``{"executionId"}`` through Respond to Webhook,
+and the public API ``GET /api/v1/executions/{id}?includeData=true``): each webhook call starts an execution
+that is billed at once per key (the workflow runs), unless the call never reached n8n. ``plan(...)``:
+``ok`` (running for ``run_s``, then success with the contract); ``wait_person`` (``waiting`` with
+``waitTill`` 3000-01-01, n8n's WAIT_INDEFINITELY, at a "send and wait" node whose ``message`` is the
+prompt, with ``workflowData``); ``wait_long`` (``waiting`` until ``wait_long_s`` from now); ``wait_short``
+(``waiting`` for ``run_s``, then success); ``db_not_ready`` (503 "Database is not ready!", no run);
+``proxy_503`` (an Envoy in front: 503 "no healthy upstream", no run); ``bare_503`` (a gateway in front
+gives up with a bare 503 after the call started the workflow: billed). ``polls`` counts API reads per
+execution.
 
 StandinCozeStudio (coze-dev/coze-studio OpenAPI):
 
@@ -34,6 +52,11 @@ StandinCozeStudio (coze-dev/coze-studio OpenAPI):
   ends ``Cancel``); ``slow`` (runs ``slow_run_s``: longer than ``sync_cut_s``, after which a sync call's
   connection is dropped while the run goes on and is billed).
 - Records the ``version`` field of each run request in ``versions``.
+
+StandinCoze (coze.com, as coze-py reads it): the same runs; run history at
+``/v1/workflows/{workflow_id}/run_histories/{execute_id}``, whose ``output`` wraps the End node's JSON as
+``{"Output": "<json>", "node_status": "{}"}`` (coze-py tests/test_workflow_run_history.py) and carries
+``is_output_trimmed``; ``trimmed`` runs succeed with an End node output cut to ``trim_at`` characters.
 """
 
 from __future__ import annotations
@@ -45,6 +68,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
@@ -115,13 +139,15 @@ class StandinDify(FakePlatform, _Billing):
                  blocking_cut_s: float | None = None, cut_style: str = "504",
                  break_after_s: float | None = None,
                  sticks_on_hangup: bool = True, max_active: int | None = None, published: bool = True,
-                 free_plan: bool = False) -> None:
+                 free_plan: bool = False, stream_error: dict[str, Any] | None = None,
+                 error_after_s: float = 0.05, human_input: str | None = None) -> None:
         FakePlatform.__init__(self)
         _Billing.__init__(self)
         self.api_key, self.run_s, self.ping_s = api_key, run_s, ping_s
         self.blocking_cut_s, self.cut_style, self.break_after_s = blocking_cut_s, cut_style, break_after_s
         self.sticks_on_hangup, self.max_active = sticks_on_hangup, max_active
         self.published, self.free_plan = published, free_plan
+        self.stream_error, self.error_after_s, self.human_input = stream_error, error_after_s, human_input
         self.poll_unavailable = False
         self.break_before_started = False
         self.runs: dict[str, dict[str, Any]] = {}
@@ -132,6 +158,11 @@ class StandinDify(FakePlatform, _Billing):
     def status(self, run_id: str) -> str:
         with self._lock:
             return self.runs[run_id]["status"]
+
+    def polls(self) -> int:
+        """How many run polls (``GET /v1/workflows/run/{id}``) the stand-in answered."""
+        with self._lock:
+            return sum(1 for r in self.requests if r.method == "GET")
 
     def stuck_runs(self) -> list[str]:
         """Runs billed (their work is done) whose record still says ``running``."""
@@ -221,6 +252,8 @@ class StandinDify(FakePlatform, _Billing):
         try:
             frame("workflow_started", {"id": run_id, "workflow_id": "wf-standin", "created_at": int(opened)})
             frame("node_started", {"id": "n1", "node_id": "code", "node_type": "code", "title": "Score"})
+            if self.stream_error is not None or self.human_input is not None:
+                return self._stream_ends_early(run_id, frame, reply)
             while not worked.wait(self.ping_s):
                 if self.break_after_s is not None and time.monotonic() - opened >= self.break_after_s:
                     _drop(reply)
@@ -240,6 +273,23 @@ class StandinDify(FakePlatform, _Billing):
                 self._finish(run_id)
             reply.handler.close_connection = True
 
+    def _stream_ends_early(self, run_id: str, frame: Any, reply: Reply) -> None:
+        """An error frame, or a pause at a human-input node, then the end of the stream."""
+        if self.human_input is not None:
+            with self._lock:
+                self.runs[run_id]["status"] = "paused"
+            form = {"form_id": f"form-{run_id}", "node_id": "approve", "node_title": "Approve refund",
+                    "form_content": self.human_input, "inputs": [], "actions": [{"id": "ok", "title": "OK"}],
+                    "form_token": "tok", "expiration_time": int(time.time()) + 36 * 3600}
+            frame("human_input_required", form)
+            frame("workflow_paused", {"workflow_run_id": run_id, "paused_nodes": ["approve"],
+                                      "reasons": [{"TYPE": "human_input_required", **form}]})
+            return reply.sse_close()
+        time.sleep(self.error_after_s)
+        reply.sse("data: " + json.dumps({"event": "error", "task_id": f"task-{run_id}",
+                                          "workflow_run_id": run_id, **(self.stream_error or {})}))
+        reply.sse_close()  # the run goes on, is billed, and its record is never finalized
+
     def _poll(self, run_id: str, reply: Reply) -> None:
         if self.poll_unavailable:
             return reply.text(503, "Service Unavailable")
@@ -254,7 +304,7 @@ class StandinDify(FakePlatform, _Billing):
 class StandinCozeStudio(FakePlatform, _Billing):
     """Coze Studio's workflow OpenAPI with its codes, debug_urls and run history (module docstring)."""
 
-    BEHAVIOURS = ("ok", "timeout", "node_fail", "risk", "question", "cancel", "slow")
+    BEHAVIOURS = ("ok", "timeout", "node_fail", "risk", "question", "cancel", "slow", "trimmed")
 
     def __init__(self, token: str = "pat_standin", *, run_s: float = 0.05, sync_cut_s: float = 0.5,
                  slow_run_s: float = 0.8, published: bool = True,
@@ -302,14 +352,15 @@ class StandinCozeStudio(FakePlatform, _Billing):
         params = body.get("parameters")
         items = envelope_items(json.loads(params) if isinstance(params, str) else params)
         execute_id = str(next(self._seq))
-        final = {"ok": "Success", "slow": "Success", "timeout": "Fail", "node_fail": "Fail",
-                 "question": "<UNSET>", "cancel": "Cancel"}[behaviour]
+        final = {"timeout": "Fail", "node_fail": "Fail", "question": "<UNSET>",
+                 "cancel": "Cancel"}.get(behaviour, "Success")
         errors = {"timeout": ("720702085", "Workflow execution timed out."),
                   "node_fail": ("720701013", "Workflow execution failure: Code node: division by zero"),
                   "cancel": ("777777777", "workflow cancel by user")}
         code, message = errors.get(behaviour, ("0", ""))
         with self._lock:
-            self.runs[execute_id] = {"status": "Running", "items": items, "workflow_id": workflow_id}
+            self.runs[execute_id] = {"status": "Running", "items": items, "workflow_id": workflow_id,
+                                     "behaviour": behaviour}
         finished = threading.Event()
 
         def done() -> None:
@@ -352,3 +403,110 @@ class StandinCozeStudio(FakePlatform, _Billing):
                   "output": run.get("output", ""), "token": 10, "cost": "0.00000",
                   "error_code": run.get("error_code", ""), "error_msg": run.get("error_msg", "")}
         reply.json(200, {"code": 0, "msg": "", "data": [record]})
+
+
+class StandinCoze(StandinCozeStudio):
+    """coze.com's workflow OpenAPI as coze-py reads it: run history wraps the output (module docstring)."""
+
+    def __init__(self, token: str = "pat_standin", *, trim_at: int = 40, **kwargs: Any) -> None:
+        super().__init__(token, **kwargs)
+        self.trim_at = trim_at
+
+    def route(self, req: Recorded, reply: Reply) -> None:
+        if bearer(req) == self.token and req.method == "GET" and "/run_histories/" in req.path:
+            return self._cloud_history(req.path.rsplit("/", 1)[1], reply)
+        return super().route(req, reply)
+
+    def _cloud_history(self, execute_id: str, reply: Reply) -> None:
+        with self._lock:
+            run = dict(self.runs.get(execute_id) or {})
+        if not run:
+            return reply.json(200, {"code": 4314, "msg": "execute record not found"})
+        end_output, trimmed = run.get("output", ""), False
+        if run["status"] == "Success" and run["behaviour"] == "trimmed":
+            end_output = json.dumps({"count": len(run["items"]), "rows": ["x" * 64] * 64})[:self.trim_at]
+            trimmed = True
+        output = json.dumps({"Output": end_output, "node_status": "{}"}) if run["status"] == "Success" else ""
+        record = {"execute_id": execute_id, "execute_status": run["status"], "bot_id": "0",
+                  "connector_id": "1024", "connector_uid": "1", "run_mode": 2, "logid": "log-coze",
+                  "create_time": int(time.time()), "update_time": int(time.time()),
+                  "debug_url": self.debug_url(execute_id, 1, run["workflow_id"]), "output": output,
+                  "error_code": run.get("error_code", "0"), "error_message": run.get("error_msg", ""),
+                  "is_output_trimmed": trimmed, "node_execute_status": {}}
+        reply.json(200, {"code": 0, "msg": "", "data": [record]})
+
+
+WAIT_INDEFINITELY = "3000-01-01T00:00:00.000Z"
+
+
+class StandinN8n(FakePlatform, _Billing):
+    """n8n behind a webhook that answers ``{"executionId"}``, with its executions API (module docstring)."""
+
+    BEHAVIOURS = ("ok", "wait_person", "wait_long", "wait_short", "db_not_ready", "proxy_503", "bare_503")
+    PROMPT = "Approve the refund of order 1042?"
+
+    def __init__(self, api_key: str = "n8n-standin", *, run_s: float = 0.3, wait_long_s: float = 3600,
+                 path: str = "batchgate") -> None:
+        FakePlatform.__init__(self)
+        _Billing.__init__(self)
+        self.api_key, self.run_s, self.wait_long_s, self.path = api_key, run_s, wait_long_s, path
+        self.executions: dict[str, dict[str, Any]] = {}
+        self.polls: Counter[str] = Counter()
+        self._seq = itertools.count(101)
+
+    @property
+    def url(self) -> str:
+        return f"{self.base_url}/webhook/{self.path}"
+
+    def route(self, req: Recorded, reply: Reply) -> None:
+        if req.method == "GET" and req.path.startswith("/api/v1/executions/"):
+            if req.headers.get("X-N8N-API-KEY") != self.api_key:
+                return reply.json(401, {"message": "Unauthorized"})
+            return self._execution(req.path.rsplit("/", 1)[1], reply)
+        if req.method != "POST" or req.path != f"/webhook/{self.path}":
+            return reply.json(404, {"code": 404, "message": "The requested webhook is not registered."})
+        behaviour = self.next_behaviour()
+        if behaviour == "db_not_ready":
+            return reply.json(503, {"code": 503, "message": "Database is not ready!"})
+        if behaviour == "proxy_503":
+            return reply.text(503, "no healthy upstream")
+        execution_id = str(next(self._seq))
+        items = envelope_items(req.json)
+        with self._lock:
+            self.executions[execution_id] = {"behaviour": behaviour, "started": time.monotonic(),
+                                             "items": items}
+        self.work(0, req.headers.get("Idempotency-Key") or "?")  # the workflow runs: billed
+        if behaviour == "bare_503":
+            return reply.text(503, "Service Unavailable")
+        reply.json(200, {"executionId": execution_id})
+
+    def _execution(self, execution_id: str, reply: Reply) -> None:
+        with self._lock:
+            run = self.executions.get(execution_id)
+            self.polls[execution_id] += 1
+        if run is None:
+            return reply.json(404, {"message": "Not Found"})
+        behaviour, elapsed = run["behaviour"], time.monotonic() - run["started"]
+        body: dict[str, Any] = {"id": execution_id, "finished": False, "mode": "webhook",
+                                "workflowId": "wf1", "status": "running", "waitTill": None,
+                                "data": {"resultData": {"runData": {}}}}
+        if behaviour == "wait_person":
+            body.update(status="waiting", waitTill=WAIT_INDEFINITELY,
+                        data={"resultData": {"runData": {}, "lastNodeExecuted": "Ask manager"}},
+                        workflowData={"nodes": [{"name": "Ask manager", "type": "n8n-nodes-base.slack",
+                                                 "parameters": {"operation": "sendAndWait",
+                                                                "message": self.PROMPT}}]})
+        elif behaviour == "wait_long":
+            until = datetime.now(UTC) + timedelta(seconds=self.wait_long_s)
+            body.update(status="waiting", waitTill=until.isoformat().replace("+00:00", "Z"),
+                        data={"resultData": {"runData": {}, "lastNodeExecuted": "Wait"}})
+        elif elapsed < self.run_s:
+            if behaviour == "wait_short":
+                until = datetime.now(UTC) + timedelta(seconds=self.run_s - elapsed)
+                body.update(status="waiting", waitTill=until.isoformat().replace("+00:00", "Z"))
+        else:
+            answer = {"status": "succeeded", "output": {"count": len(run["items"])}}
+            run_data = {"Respond": [{"data": {"main": [[{"json": answer}]]}}]}
+            body.update(status="success", finished=True,
+                        data={"resultData": {"lastNodeExecuted": "Respond", "runData": run_data}})
+        reply.json(200, body)

@@ -11,7 +11,10 @@ run_leased      takes a slot on the stage's target (slot.lua: ``max_in_flight``,
                 commit or fail through the ledger, wait for the callback, schedule a poll (RQ), or, when
                 the target is unavailable, give the batch back without spending an attempt and cool the
                 target down (outage.lua).
-poll_stage      (an RQ job, scheduled with ``enqueue_in``) heartbeats the lease and polls the platform run.
+poll_stage      (an RQ job, scheduled with ``enqueue_in``) heartbeats the lease and polls the platform run;
+                the next poll waits twice as long as the last, from the stage's ``poll_interval`` up to
+                :func:`poll_cap` (60 s, at most half the stage's lease so the lease stays alive), and the
+                batch log records a poll only when the run's state changes (``PollState``).
 
 The ledger's lease token fences everything: a late worker, a duplicate poll or a callback that beat the
 trigger's answer all end as 'stale' or 'duplicate' in the ledger and change nothing.
@@ -36,6 +39,7 @@ from rq.serializers import JSONSerializer
 
 import connectors
 from connectors.base import (
+    WAITING_HUMAN,
     Accepted,
     Answer,
     Connector,
@@ -67,6 +71,8 @@ OUTAGE_FIRST_COOLDOWN_MS = 1000
 #: The longest wait between probes of a target that answers it is starting (n8n registers its webhooks
 #: 17-99 s after a restart; a probe every 2 s resumes the job within 2 s of that, not up to 30 s later).
 BOOTING_COOLDOWN_MAX_MS = 2000
+#: The longest wait between two polls of a platform run (polls back off from the stage's poll_interval).
+POLL_BACKOFF_MAX_MS = 60_000
 #: Longest list of kicked job ids kept for the workers (older kicks add nothing).
 WAKE_LIST_MAX = 1000
 #: Set when this worker process is stopping (SIGTERM): no new pump, and a stage attempt dequeued now
@@ -88,6 +94,32 @@ def push_stages(spec: JobSpec) -> list[int]:
 def target_urls(target: dict[str, Any]) -> list[str]:
     """Every URL a target may call (trigger and poll)."""
     return [target[k] for k in ("url", "base_url", "api_url") if target.get(k)]
+
+
+def poll_cap(stage: Stage) -> timedelta:
+    """The longest wait between two polls of ``stage``'s runs: POLL_BACKOFF_MAX_MS, but at most half the
+    stage's lease (each poll heartbeats it) and never below its ``poll_interval``."""
+    cap = min(timedelta(milliseconds=POLL_BACKOFF_MAX_MS), stage.lease / 2)
+    return max(cap, stage.poll_interval)
+
+
+@dataclass(frozen=True)
+class PollState:
+    """What one scheduled poll carries besides the handle (RQ arguments, JSON): the wait that preceded it
+    and the run state the batch log last recorded, so the log records changes, not every poll."""
+
+    wait_ms: int | None = None
+    seen: str = ""
+
+    def after(self, stage: Stage, seen: str | None = None) -> PollState:
+        """The state of the next poll: its wait doubled (from ``poll_interval``, capped), ``seen`` updated."""
+        first = int(stage.poll_interval.total_seconds() * 1000)
+        cap = int(poll_cap(stage).total_seconds() * 1000)
+        wait = first if self.wait_ms is None else min(max(self.wait_ms * 2, first), cap)
+        return PollState(wait, self.seen if seen is None else seen)
+
+    def changed(self, seen: str) -> bool:
+        return seen != self.seen
 
 
 #: Leading arguments of each RQ entry point that are safe to show; the rest (lease token, handle) never are.
@@ -277,13 +309,14 @@ class Dispatcher:
         self._begin(spec, spec.flow.stages[stage_idx], seq, stage_idx, token, mode="release")
 
     def poll(self, job_id: str, seq: int, stage_idx: int, attempt: int, token: str,
-             handle: dict[str, Any]) -> None:
+             handle: dict[str, Any], state: PollState | None = None) -> None:
         """Poll a platform run; keep the lease alive while it runs."""
         spec = self.ledger.spec(job_id)
         stage = spec.flow.stages[stage_idx]
+        state = state or PollState()
         if self.ledger.r.hget(self.ledger.keys.job(job_id).job, "status") == "held":
             # record-only recovery: no call runs for a held job; ask again later, lease untouched
-            self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, handle)
+            self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, handle, state.after(stage))
             return
         try:
             self.ledger.heartbeat(job_id, seq, token)
@@ -298,17 +331,22 @@ class Dispatcher:
         outcome = self._guarded(call, stage, lambda: self._connector(stage).poll(call, handle, self.session))
         if isinstance(outcome, PlatformError) and (outcome.outage or outcome.retry is Retry.RETRYABLE):
             # the run goes on where it runs; a poll that could not ask is not the run's failure
-            self.ledger.note(job_id, "poll_failed", seq=seq, stage=stage.name, attempt=attempt,
-                             error=outcome.message[:500])
-            self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, handle)
+            if state.changed("poll_failed"):
+                self.ledger.note(job_id, "poll_failed", seq=seq, stage=stage.name, attempt=attempt,
+                                 error=outcome.message[:500])
+            self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, handle,
+                                state.after(stage, "poll_failed"))
             return
         self._durably(stage, lambda: self._act(spec, stage, call, seq, stage_idx, token, outcome,
-                                               remember=False))
+                                               remember=False, polled=state))
 
     def _schedule_poll(self, spec: JobSpec, stage: Stage, seq: int, stage_idx: int, attempt: int,
-                       token: str, handle: dict[str, Any]) -> None:
-        self.queue.enqueue_in(stage.poll_interval, poll_stage, spec.job_id, seq, stage_idx, attempt,
-                              token, handle, result_ttl=60, failure_ttl=86400)
+                       token: str, handle: dict[str, Any], state: PollState | None = None) -> None:
+        """Poll the run after ``state.wait_ms`` (the first poll: after the stage's ``poll_interval``)."""
+        state = state or PollState().after(stage)
+        self.queue.enqueue_in(timedelta(milliseconds=state.wait_ms or 0), poll_stage, spec.job_id, seq,
+                              stage_idx, attempt, token, handle, state.wait_ms, state.seen,
+                              result_ttl=60, failure_ttl=86400)
 
     def _durably(self, stage: Stage, fn: Any) -> Any:
         """Run ``fn`` (ledger writes after a call), retrying while Redis is unreachable (a restart): a
@@ -373,7 +411,7 @@ class Dispatcher:
         batch = {"start_cursor": dumps(lease.cursor), "end_cursor": dumps(lease.end_cursor),
                  "gen": str(lease.generation), f"out:{lease.stage_index - 1}": dumps(lease.input)}
         return self._stage_call(spec, stage, batch, lease.seq, lease.stage_index, lease.attempt,
-                                lease.lease_token, items=lease.items)
+                                lease.lease_token, items=lease.items, called_s=time.time())
 
     def _call(self, spec: JobSpec, stage: Stage, seq: int, stage_idx: int, attempt: int,
               token: str) -> StageCall | None:
@@ -385,10 +423,12 @@ class Dispatcher:
         if batch.get("status") != "leased" or batch.get("lease_token") != token:
             return None
         items = loads_or_none(self.ledger.r.get(self.ledger.keys.job(spec.job_id).items(seq)))
-        return self._stage_call(spec, stage, batch, seq, stage_idx, attempt, token, items=items)
+        called_s = int(batch["called_ms"]) / 1000 if batch.get("called_ms") else time.time()
+        return self._stage_call(spec, stage, batch, seq, stage_idx, attempt, token, items=items,
+                                called_s=called_s)
 
     def _stage_call(self, spec: JobSpec, stage: Stage, batch: dict[str, str], seq: int, stage_idx: int,
-                    attempt: int, token: str, items: Any) -> StageCall:
+                    attempt: int, token: str, items: Any, called_s: float) -> StageCall:
         envelope = self._envelope(spec, stage, batch, seq, stage_idx, attempt, token, items)
         names = {k: v for k, v in stage.target.items() if k.endswith("_secret") and isinstance(v, str)}
         # the job's tenant's own secrets, then the shared "*" ones; never another tenant's
@@ -397,7 +437,8 @@ class Dispatcher:
         return StageCall(envelope=envelope, target=stage.target, secrets=resolved,
                          timeout_s=stage.timeout.total_seconds(),
                          signing_key=self.settings.signing_secret(), idempotent=stage.idempotent,
-                         on_progress=lambda: self._alive(spec.job_id, seq, token))
+                         on_progress=lambda: self._alive(spec.job_id, seq, token),
+                         run_deadline_s=called_s + stage.max_run.total_seconds())
 
     def _alive(self, job_id: str, seq: int, token: str) -> None:
         """The platform shows life during a long call (a Dify stream event): heartbeat the lease."""
@@ -431,7 +472,8 @@ class Dispatcher:
         return env
 
     def _act(self, spec: JobSpec, stage: Stage, call: StageCall, seq: int, stage_idx: int, token: str,
-             outcome: Outcome | PlatformError, probe: bool = False, remember: bool = True) -> None:
+             outcome: Outcome | PlatformError, probe: bool = False, remember: bool = True,
+             polled: PollState | None = None) -> None:
         job_id, attempt = spec.job_id, call.envelope["attempt"]
         where = {"seq": seq, "stage": stage.name, "attempt": attempt}
         tid = target_id(stage.target)
@@ -451,6 +493,10 @@ class Dispatcher:
                 self._remember_run(spec, seq, token, outcome.handle)
                 self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, outcome.handle)
                 return
+            if isinstance(outcome, PlatformError) and outcome.code == WAITING_HUMAN:
+                # shown as waiting on a person, with the platform's prompt; the batch fails with the type
+                self.ledger.note(job_id, "waiting_on_person", **where, prompt=outcome.prompt,
+                                 error=outcome.message[:500], **outcome.platform_ids)
             if isinstance(outcome, PlatformError):
                 self.ledger.note(job_id, "platform_error", **where, error=outcome.message[:500],
                                  retry=outcome.retry.value, status=outcome.status, code=outcome.code,
@@ -471,10 +517,14 @@ class Dispatcher:
                 if outcome.handle and remember:
                     self._remember_run(spec, seq, token, outcome.handle)
             elif isinstance(outcome, Running):
-                self.ledger.note(job_id, "platform_running", **where, **outcome.platform_ids)
+                polled = polled or PollState()
+                if polled.changed(outcome.status):  # the log records state changes, not every poll
+                    self.ledger.note(job_id, "platform_running", **where, platform_status=outcome.status,
+                                     **outcome.platform_ids)
                 if remember:
                     self._remember_run(spec, seq, token, outcome.handle)
-                self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, outcome.handle)
+                self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, outcome.handle,
+                                    polled.after(stage, outcome.status))
         except (StaleLease, NotFound, JobCancelled):
             log.info("answer dropped: lease no longer current job_id=%s seq=%s attempt=%s",
                      job_id, seq, attempt)
@@ -564,9 +614,10 @@ def run_stage(job_id: str, seq: int, stage: int, attempt: int, token: str, wait:
         log.warning("stage attempt not run job_id=%s seq=%s: %s", job_id, seq, exc.detail)
 
 
-def poll_stage(job_id: str, seq: int, stage: int, attempt: int, token: str, handle: dict) -> None:
+def poll_stage(job_id: str, seq: int, stage: int, attempt: int, token: str, handle: dict,
+               wait_ms: int | None = None, seen: str = "") -> None:
     try:
-        dispatcher().poll(job_id, seq, stage, attempt, token, handle)
+        dispatcher().poll(job_id, seq, stage, attempt, token, handle, PollState(wait_ms, seen))
     except BatchgateError as exc:
         log.warning("poll not run job_id=%s seq=%s: %s", job_id, seq, exc.detail)
 

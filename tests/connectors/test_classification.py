@@ -354,9 +354,11 @@ def test_dify_running_status(mock, session):
 def test_dify_paused_run_waits_for_a_human_and_is_fatal(mock, session):
     mock.post(f"{DIFY}/v1/workflows/run", json=dify_run("paused"))
     mock.get(f"{DIFY}/v1/workflows/run/r-1", json={"id": "r-1", "status": "paused"})
-    assert "waiting for input" in raises(F, lambda: dify_trigger(session)).message
+    err = raises(F, lambda: dify_trigger(session))
+    assert "waiting for a person" in err.message and err.code == "waiting_human"
     err = raises(F, lambda: get_connector("dify").poll(dify_call(), {"run_id": "r-1"}, session))
     assert "human-input" in err.message and err.platform_ids == {"workflow_run_id": "r-1"}
+    assert err.code == "waiting_human"
 
 
 @pytest.mark.parametrize("status, code, retry", [
@@ -444,19 +446,26 @@ def test_dify_streaming_that_ends_before_workflow_started_is_unknown(mock, sessi
     assert err.handle is None and "before workflow_started" in err.message
 
 
-def test_dify_streaming_error_frame_after_workflow_started_carries_the_handle(mock, session):
-    frame = {"event": "error", "task_id": "t-1", "workflow_run_id": "r-1", "code": "internal_server_error",
-             "status": 500, "message": "boom"}
+@pytest.mark.parametrize("code, status, retry", [
+    ("internal_server_error", 500, IDEM), ("completion_request_error", 400, IDEM),
+    ("too_many_requests", 429, IDEM), (None, None, IDEM), ("provider_not_initialize", 400, F)])
+def test_dify_streaming_error_frame_after_workflow_started_ends_the_run(mock, session, code, status, retry):
+    """Dify never finalizes a run that sent an error frame (its record stays running): no handle, no poll;
+    the run ran and failed, so it is retried only for an idempotent stage."""
+    frame = {"event": "error", "task_id": "t-1", "workflow_run_id": "r-1", "code": code,
+             "status": status, "message": "boom"}
     mock.post(f"{DIFY}/v1/workflows/run", body=sse(STARTED, frame), content_type="text/event-stream")
-    err = raises(U, lambda: dify_trigger(session, mode="streaming"))
-    assert err.handle == {"run_id": "r-1"} and err.platform_ids == DIFY_IDS
+    err = raises(retry, lambda: dify_trigger(session, mode="streaming"))
+    assert err.handle is None and err.outage is False and err.platform_ids == DIFY_IDS
+    assert "boom" in err.message and "r-1" in err.message
 
 
 @pytest.mark.parametrize("event", ["workflow_paused", "human_input_required"])
 def test_dify_streaming_pause_for_a_human_is_fatal(mock, session, event):
     mock.post(f"{DIFY}/v1/workflows/run", body=sse(STARTED, {"event": event, "workflow_run_id": "r-1"}),
               content_type="text/event-stream")
-    assert "waiting for input" in raises(F, lambda: dify_trigger(session, mode="streaming")).message
+    err = raises(F, lambda: dify_trigger(session, mode="streaming"))
+    assert "waiting for a person" in err.message and err.code == "waiting_human"
 
 
 def test_dify_streaming_http_error_is_classified(mock, session):
@@ -530,7 +539,7 @@ def test_coze_codes(mock, session, http_status, code, retry):
     assert err.retry_after_s == (6.0 if outage or retry is R else None)
     assert err.handle is None  # no execute_id, no debug_url
     if code:
-        assert err.code == str(code) and str(code) in err.message
+        assert err.code == ("waiting_human" if code == 6039 else str(code)) and str(code) in err.message
 
 
 STUDIO_DEBUG = "https://studio.example/work_flow?execute_id={}&space_id={}&workflow_id={}&execute_mode=2"
@@ -568,7 +577,8 @@ def test_coze_run_evidence(mock, session, code, debug_url, execute_id, retry, ha
 ])
 def test_coze_sync_run_waiting_for_input_is_fatal(mock, session, body):
     mock.post(COZE_RUN, json=body, headers=LOG)
-    assert "waiting for input" in raises(F, lambda: coze_trigger(session)).message
+    err = raises(F, lambda: coze_trigger(session))
+    assert "waiting for a person" in err.message and err.code == "waiting_human"
 
 
 def test_coze_6039_says_the_workflow_waits_for_input(mock, session):
@@ -599,8 +609,10 @@ def history(status, **record):
     (True, f"{COZE}/v1/workflow/get_run_history?workflow_id=73&execute_id=e-9"),
 ])
 def test_coze_poll(mock, session, studio, url):
+    # coze.com wraps the End node's JSON in {"Output": ...}; Coze Studio stores the variables as they are
+    output = json.dumps({"count": 3})
     mock.get(url, json=history("Running"))
-    mock.get(url, json=history("Success", output=json.dumps({"Output": json.dumps({"count": 3})})))
+    mock.get(url, json=history("Success", output=output if studio else json.dumps({"Output": output})))
     mock.get(url, json=history("Fail", error_code="5000", error_message="node LLM failed"))
     mock.get(url, json={"code": 4314, "msg": "record not found"})
     stage, handle, connector = coze_call(studio=studio), {"execute_id": "e-9"}, get_connector("coze")
@@ -620,4 +632,80 @@ def test_coze_studio_history_record(mock, session):
     stage, handle, connector = coze_call(studio=True), {"execute_id": "e-9"}, get_connector("coze")
     assert "division by zero" in raises(IDEM, lambda: connector.poll(stage, handle, session)).message
     assert "cancelled on Coze" in raises(F, lambda: connector.poll(stage, handle, session)).message
-    assert "waiting for input" in raises(F, lambda: connector.poll(stage, handle, session)).message
+    err = raises(F, lambda: connector.poll(stage, handle, session))
+    assert "waiting for a person" in err.message and err.code == "waiting_human"
+
+
+# ---- end and waiting states (issue 15; docs/connectors-failure-modes.md "End and waiting states") ----
+
+@pytest.mark.parametrize("kind, make, url", CONNECTORS + [("n8n", n8n_call, HOOK)])
+@pytest.mark.parametrize("body, retry", [
+    ("no healthy upstream", R),
+    ("upstream connect error or disconnect/reset before headers. reset reason: connection failure", R),
+    ("<html><head><title>503 Service Temporarily Unavailable</title></head><body><center><h1>503 Service "
+     "Temporarily Unavailable</h1></center><hr><center>nginx</center></body></html>", R),
+    ("upstream connect error or disconnect/reset before headers. reset reason: connection termination", U),
+    ("Service Unavailable", U),
+])
+def test_a_503_is_not_delivered_only_when_a_proxy_says_it_never_passed_the_call_on(mock, session, kind, make,
+                                                                                  url, body, retry):
+    mock.post(url, status=503, body=body)
+    err = raises(retry, lambda: get_connector(kind).trigger(make(), session))
+    assert err.outage and err.status == 503
+    if retry is R:
+        assert "nothing ran" in err.message
+
+
+def test_coze_sync_text_answer_envelope_is_unwrapped(mock, session):
+    """coze-studio OpenAPIRun: an End node that answers text sends {"content_type", "data",
+    "type_for_model"}; the answer is data."""
+    envelope = {"content_type": 1, "data": json.dumps({"status": "succeeded", "output": {"n": 2}}),
+                "type_for_model": 2}
+    mock.post(f"{COZE}/v1/workflow/run", json={"code": 0, "msg": "", "data": json.dumps(envelope)})
+    assert coze_trigger(session).answer.output == {"n": 2}
+
+
+def test_coze_cloud_history_wrapper_with_other_keys_is_unwrapped_and_trimmed_output_refused(mock, session):
+    url = f"{COZE}/v1/workflows/73/run_histories/e-9"
+    wrapped = json.dumps({"Output": json.dumps({"count": 3}), "node_status": "{}"})
+    mock.get(url, json=history("Success", output=wrapped, is_output_trimmed=False))
+    mock.get(url, json=history("Success", output=json.dumps({"Output": '{"count": 3, "ro'}),
+                               is_output_trimmed=True))
+    stage, handle, connector = coze_call(), {"execute_id": "e-9"}, get_connector("coze")
+    assert connector.poll(stage, handle, session).answer.output == {"count": 3}
+    err = raises(F, lambda: connector.poll(stage, handle, session))
+    assert err.code == "output_trimmed" and "e-9" in err.message
+
+
+def waiting(wait_till, **extra):
+    return {**execution("waiting", **extra), "waitTill": wait_till}
+
+
+@pytest.mark.parametrize("wait_till, deadline, waits_for_person", [
+    ("3000-01-01T00:00:00.000Z", None, True),  # WAIT_INDEFINITELY
+    ("2999-12-31T00:00:00.000Z", 1e9, False),  # WAIT_FOR_SUB_EXECUTION: resumes when the child ends
+    ("2030-01-01T00:00:00.000Z", 1.9e9, False),  # resumes before max_run ends
+    ("2030-01-01T00:00:00.000Z", 1.8e9, True),  # resumes only after max_run
+    ("2030-01-01T00:00:00.000Z", None, False),  # no deadline known: polled until max_run
+    (None, 1e9, False),
+])
+def test_n8n_waiting_execution_is_running_unless_it_waits_past_max_run(mock, session, wait_till, deadline,
+                                                                      waits_for_person):
+    mock.get(N8N_API, json=waiting(wait_till))
+    stage = n8n_call()
+    stage = type(stage)(**{**stage.__dict__, "run_deadline_s": deadline})
+    connector = get_connector("n8n")
+    if not waits_for_person:
+        assert connector.poll(stage, {"execution_id": "77"}, session).status == "waiting"
+        return
+    err = raises(F, lambda: connector.poll(stage, {"execution_id": "77"}, session))
+    assert err.code == "waiting_human" and "execution 77" in err.message
+
+
+def test_dify_workflow_paused_alone_carries_the_prompt_in_its_reasons(mock, session):
+    paused = {"event": "workflow_paused", "workflow_run_id": "r-1", "data": {"reasons": [
+        {"TYPE": "human_input_required", "form_content": "Is this invoice correct?", "node_title": "Check"}]}}
+    mock.post(f"{DIFY}/v1/workflows/run", body=sse(STARTED, paused), content_type="text/event-stream")
+    err = raises(F, lambda: dify_trigger(session, mode="streaming"))
+    assert err.code == "waiting_human" and err.prompt == "Is this invoice correct?"
+    assert "'Check'" in err.message and err.platform_ids["workflow_run_id"] == "r-1"

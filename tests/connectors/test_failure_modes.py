@@ -226,7 +226,8 @@ def test_coze_question_node_in_a_sync_run_is_fatal(session):
     with studio() as platform:
         platform.plan("question")
         err = raises(F, lambda: get_connector("coze").trigger(coze_call(platform), session))
-        assert "waiting for input" in err.message and err.handle is None
+        assert "waiting for a person" in err.message and err.handle is None
+        assert err.code == "waiting_human"
 
 
 def test_coze_sync_call_cut_while_the_run_goes_on_is_unknown(session):
