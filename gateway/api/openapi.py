@@ -103,7 +103,11 @@ VIEW_SCHEMAS: dict[str, Any] = {
             "instance": {**STR, "description": "500 only: urn:batchgate:error:<error_id>"},
             "error_id": {**STR, "description": "500 only: quote it to find the server's log line"},
             "errors": {"type": "array", "description": "422: each invalid field (values never echoed)",
-                       "items": _obj(["field", "message"], field=STR, message=STR)}}},
+                       "items": _obj(["field", "message"], field=STR, message=STR)},
+            "quota": {"enum": ["active_jobs", "job_creations_per_minute", "leases_per_second"],
+                      "description": "429: the tenant quota that refused the request"},
+            "limit": {**INT, "description": "429: that quota's limit"},
+            "retry_after_s": {**NUM, "description": "429: seconds until a retry can be admitted"}}},
     "Health": _obj(["status"], status={"const": "ok"}, instance=STR),
     "FlowRecord": _obj(["flow", "hash", "content_hash", "created_ms"],
                        flow=_obj(["id", "version", "stages"], id=STR, version=STR,
@@ -164,6 +168,8 @@ PROBLEM_TEXT = {
     413: "the body exceeds BATCHGATE_MAX_BODY_BYTES",
     415: "a body that is not application/json",
     422: "the request failed validation (errors names each field)",
+    429: "a tenant quota refuses the request (nothing was written): quota, limit and retry_after_s "
+         "say which, how much and when; see Retry-After",
     500: "unexpected error; error_id identifies the log line",
     503: "the ledger (its Redis down, restarting or loading) or a source is unavailable; see Retry-After",
 }
@@ -225,7 +231,7 @@ ROUTES: tuple[Route, ...] = (
           {200: ("the version", "FlowRecord")}, (404,), params=(FLOW, VERSION), tags=("flows",)),
     Route("delete", "/v1/flows/{flow_id}/versions/{version}", "Retire a version",
           {204: ("retired", None)}, (404,), params=(FLOW, VERSION), tags=("flows",)),
-    Route("post", "/v1/jobs", "Create a job", {201: ("created", "JobView")}, (*BODY, 404, 409),
+    Route("post", "/v1/jobs", "Create a job", {201: ("created", "JobView")}, (*BODY, 404, 409, 429),
           body=JobRequest, params=(IDEMPOTENCY_KEY,), tags=("jobs",)),
     Route("get", "/v1/jobs", "Jobs, newest first", {200: ("jobs", "JobList")}, (422,),
           params=(_query("status", {"enum": list(STATUSES)}, "only jobs in this status"), LIMIT),
@@ -259,7 +265,8 @@ ROUTES: tuple[Route, ...] = (
     Route("post", "/v1/jobs/{job_id}/lease", "Lease the next ready batch (pull mode)",
           {200: ("a batch", "LeaseEnvelope"),
            204: ("nothing ready; Batchgate-Job-Status says whether to wait or stop", None)},
-          (*BODY, 404, 409), body=LeaseRequest, body_required=False, params=(JOB,), tags=("pull",)),
+          (*BODY, 404, 409, 429), body=LeaseRequest, body_required=False, params=(JOB,),
+          tags=("pull",)),
     Route("post", "/v1/jobs/{job_id}/batches/{seq}/heartbeat", "Extend a lease, report progress",
           {200: ("the new deadline", "HeartbeatResult")}, (*BODY, 404, 409), body=HeartbeatRequest,
           params=(JOB, SEQ), tags=("pull",)),
@@ -281,7 +288,7 @@ ROUTES: tuple[Route, ...] = (
 def _problem_response(status: int) -> dict[str, Any]:
     resp: dict[str, Any] = {"description": PROBLEM_TEXT[status],
                             "content": {"application/problem+json": {"schema": _ref("Problem")}}}
-    if status == 503:
+    if status in (429, 503):
         resp["headers"] = {"Retry-After": {"schema": {"type": "integer"},
                                            "description": "seconds to wait"}}
     if status == 401:
