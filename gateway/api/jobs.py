@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import redis
 from flask import Blueprint, current_app, g, jsonify, request
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,6 +16,8 @@ from gateway.ledger.records import typed_entry
 from gateway.validation import parse
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
+#: A log entry id XRANGE takes (openapi.LOG_ID states the same): every match is below 2^64 - 1.
+LOG_ID = r"-|[0-9]{1,19}(-[0-9]{1,19})?"
 
 
 def request_quotas() -> Quotas:
@@ -82,6 +86,8 @@ def _read_stream(services, key: str, stage_names: list[str] | None) -> list[dict
     """Entries after ``?after=`` (a stream id), at most ``?limit=``, with typed values."""
     after = request.args.get("after", "-")
     limit = query_int("limit", 200, 1, 10_000)
+    if not re.fullmatch(LOG_ID, after):
+        raise InvalidRequest("after must be a log entry id such as 1700000000000-0")
     start = "-" if after == "-" else f"({after}"
     try:
         entries = services.redis.xrange(key, start, "+", count=limit)
