@@ -224,3 +224,12 @@ def test_active_jobs_quota_holds_across_gunicorn_workers(redis_server, redis_cli
         assert redis_client.zcard("bg:jobs:acme") == 5
     finally:
         procs.stop(proc)
+
+
+def test_zero_means_no_limit_and_nothing_is_counted(serve, redis_client):
+    acme, _ = serve(active_jobs=0, job_creations_per_minute=0, leases_per_second=0)
+    jobs = [create(acme) for _ in range(4)]
+    assert [r.status_code for r in jobs] == [201] * 4
+    assert [acme.post(f"/v1/jobs/{jobs[0].json()['job_id']}/lease").status_code for _ in range(6)] == [
+        200] * 4 + [204] * 2
+    assert not redis_client.keys("bg:quota:*{acme}")

@@ -57,8 +57,13 @@ class Quotas:
     def admit_job(self, tenant: str, job_id: str) -> None:
         """Count a job creation and the new job as active, or raise QuotaExceeded (nothing written)."""
         quota = self.settings.quota_for(tenant)
-        keys = [self.keys.quota_creations(tenant), self.keys.quota_active(tenant)]
-        args = [quota.job_creations_per_minute, MINUTE_MS, quota.active_jobs, job_id]
+        keys = [self.keys.quota_creations(tenant)]
+        args = [quota.job_creations_per_minute, MINUTE_MS]
+        if quota.active_jobs > 0:  # no limit: not tracked (a limit set later counts jobs made after it)
+            keys.append(self.keys.quota_active(tenant))
+            args += [quota.active_jobs, job_id]
+        elif quota.job_creations_per_minute <= 0:
+            return
         res = self._script(keys=keys, args=args)
         if res[0] == "active" and self.prune(tenant):
             res = self._script(keys=keys, args=args)
