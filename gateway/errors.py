@@ -187,3 +187,12 @@ class LedgerUnavailable(RetryableError):
 
     title = "Ledger unavailable"
     type_slug = "ledger-unavailable"
+
+
+class QuotaExceeded(RetryableError):
+    """A tenant quota (active jobs, job creations per minute, leases per second) refuses the request:
+    nothing was written; ``quota``, ``limit`` and ``retry_after_s`` say which, how much and when."""
+
+    status = 429
+    title = "Quota exceeded"
+    type_slug = "quota-exceeded"

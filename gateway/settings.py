@@ -11,7 +11,7 @@ from pathlib import Path
 from secrets import token_urlsafe
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: The secrets tenant whose entries every tenant may name (a tenant's own entry of the same name wins).
@@ -29,6 +29,16 @@ FLAT_SECRETS = (
     "{names} (the old flat form, where every tenant could name every secret). Give each secret to the tenant "
     'whose flows use it, {{"<tenant>": {{"{first}": "..."}}}}, or share it with every tenant explicitly '
     'under "*": {{"*": {{"{first}": "..."}}}}.')
+
+
+class TenantQuota(BaseModel):
+    """One tenant's quotas (``quota_overrides``); a field left out keeps the default, 0 = no limit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    active_jobs: int | None = Field(default=None, ge=0)
+    job_creations_per_minute: int | None = Field(default=None, ge=0)
+    leases_per_second: int | None = Field(default=None, ge=0)
 
 
 class Settings(BaseSettings):
@@ -103,6 +113,32 @@ class Settings(BaseSettings):
         "calls finish before it exits")
     embedded_fsync: Literal["always", "everysec"] = Field(
         default="everysec", description="appendfsync of the embedded Redis")
+    # -- per-tenant quotas (0 = no limit), counted in Redis across every process; docs/design.md --
+    quota_active_jobs: int = Field(
+        default=10_000, ge=0, description="jobs one tenant may have that are not finished (running, "
+        "paused, held, waiting or failed; succeeded and cancelled jobs do not count): a creation past "
+        "it is a 429")
+    quota_job_creations_per_minute: int = Field(
+        default=12_000, ge=0, description="job creations one tenant may make per minute (a burst of "
+        "this many, then one every 60/N s): past it a 429 with Retry-After")
+    quota_leases_per_second: int = Field(
+        default=1_000, ge=0, description="pull-mode leases (POST /v1/jobs/<id>/lease) one tenant may "
+        "ask for per second, answered or not; push workers' own leases are not counted")
+    quota_overrides: dict[str, TenantQuota] = Field(
+        default_factory=dict, description='per tenant, as JSON: {"acme": {"active_jobs": 50, '
+        '"job_creations_per_minute": 60, "leases_per_second": 20}}; fields left out keep the defaults')
+
+    def quota_for(self, tenant: str) -> TenantQuota:
+        """``tenant``'s quotas: its ``quota_overrides`` entry, the ``quota_*`` defaults for the rest."""
+        own = self.quota_overrides.get(tenant) or TenantQuota()
+        return TenantQuota(
+            active_jobs=self.quota_active_jobs if own.active_jobs is None else own.active_jobs,
+            job_creations_per_minute=(self.quota_job_creations_per_minute
+                                      if own.job_creations_per_minute is None
+                                      else own.job_creations_per_minute),
+            leases_per_second=(self.quota_leases_per_second if own.leases_per_second is None
+                               else own.leases_per_second))
+
     log_level: str = "INFO"
     host: str = "127.0.0.1"
     port: int = 8080

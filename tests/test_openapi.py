@@ -95,7 +95,7 @@ def test_request_bodies_are_the_validating_models(api):
     flow = schemas["FlowSpec"]
     assert flow["additionalProperties"] is False and "stages" in flow["required"]
     poll = schemas["Stage"]["properties"]["poll_interval"]["anyOf"][0]
-    assert poll == {"type": "number", "exclusiveMinimum": 0.0, "maximum": 86400.0}
+    assert poll == {"type": "number", "minimum": 1e-6, "maximum": 86400.0}  # microsecond resolution
     body = doc["paths"]["/v1/jobs/{job_id}/batches/{seq}/complete"]["post"]["requestBody"]
     assert body["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/CompleteRequest"}
 

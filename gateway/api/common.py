@@ -78,7 +78,8 @@ def query_int(name: str, default: int, lo: int, hi: int) -> int:
 
 
 def idempotent(view: Callable[..., Any]) -> Callable[..., Any]:
-    """Honour an Idempotency-Key header: replay, 422 on another body, 409 while in flight."""
+    """Honour an Idempotency-Key header: replay, 422 on another body, 409 while in flight; a 409 or 429
+    answer (try again later) is not stored, so the same key may be retried."""
 
     @functools.wraps(view)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -98,7 +99,7 @@ def idempotent(view: Callable[..., Any]) -> Callable[..., Any]:
         try:
             body, status = view(*args, **kwargs)
         except BatchgateError as exc:
-            if exc.status < 500 and exc.status != 409:
+            if exc.status < 500 and exc.status not in (409, 429):  # in flight, quota: retry later
                 store.finish(g.tenant, key, exc.status, exc.problem())
             else:
                 store.abandon(g.tenant, key)

@@ -2,25 +2,48 @@
 
 from __future__ import annotations
 
+import re
+
 import redis
-from flask import Blueprint, g, jsonify, request
+from flask import Blueprint, current_app, g, jsonify, request
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.api.common import idempotent, json_body, query_int, request_services
 from gateway.errors import InvalidRequest
-from gateway.ledger.jobs import JobRequest, ResumeRequest
+from gateway.ledger.jobs import JobRequest, ResumeRequest, new_job_id
+from gateway.ledger.quotas import Quotas
 from gateway.ledger.records import typed_entry
 from gateway.validation import parse
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
+#: A log entry id XRANGE takes (openapi.LOG_ID states the same): every match is below 2^64 - 1.
+LOG_ID = r"-|[0-9]{1,19}(-[0-9]{1,19})?"
+
+
+def request_quotas() -> Quotas:
+    """The app's per-tenant quotas (made on first use, one per app)."""
+    quotas = current_app.extensions.get("batchgate.quotas")
+    if quotas is None:
+        services = request_services()
+        quotas = current_app.extensions.setdefault(
+            "batchgate.quotas", Quotas(services.redis, services.ledger.keys, services.settings))
+    return quotas
 
 
 @bp.post("")
 @idempotent
 def create():
+    """429 (nothing written) past the tenant's active-jobs or creation-rate quota; else 201."""
     req = parse(JobRequest, json_body(), "job request")
     services = request_services()
-    view = services.jobs.create(g.tenant, req)
+    quotas = request_quotas()
+    job_id = new_job_id()
+    quotas.admit_job(g.tenant, job_id)  # before the source probe: a refusal costs no read
+    try:
+        view = services.jobs.create(g.tenant, req, job_id=job_id)
+    except BaseException:
+        quotas.release_job(g.tenant, job_id)  # the rate stays spent: the attempt cost a probe
+        raise
     if services.dispatcher is not None and view["push_stages"]:
         services.dispatcher.kick(view["job_id"])
     return view, 201
@@ -63,6 +86,8 @@ def _read_stream(services, key: str, stage_names: list[str] | None) -> list[dict
     """Entries after ``?after=`` (a stream id), at most ``?limit=``, with typed values."""
     after = request.args.get("after", "-")
     limit = query_int("limit", 200, 1, 10_000)
+    if not re.fullmatch(LOG_ID, after):
+        raise InvalidRequest("after must be a log entry id such as 1700000000000-0")
     start = "-" if after == "-" else f"({after}"
     try:
         entries = services.redis.xrange(key, start, "+", count=limit)
@@ -118,7 +143,9 @@ def cancel(job_id: str):
 @bp.post("/<job_id>/resume")
 def resume(job_id: str):
     req = parse(ResumeRequest, json_body(required=False), "resume request")
-    return jsonify(request_services().jobs.resume(g.tenant, job_id, req, g.actor))
+    view = request_services().jobs.resume(g.tenant, job_id, req, g.actor)
+    request_quotas().track(g.tenant, job_id)  # a succeeded job resumed from a cursor is active again
+    return jsonify(view)
 
 
 @bp.post("/<job_id>/retry-failed")
@@ -127,6 +154,7 @@ def retry_failed(job_id: str):
     spec = services.jobs.owned_spec(g.tenant, job_id)
     services.jobs.check_flow_version(spec)
     reopened = services.ledger.reopen(job_id, g.actor, only_failed=True)
+    request_quotas().track(g.tenant, job_id)
     if reopened and services.dispatcher is not None and any(s.target for s in spec.flow.stages):
         services.dispatcher.kick(job_id)
     return jsonify({**services.jobs.view(g.tenant, job_id), "reopened": reopened})

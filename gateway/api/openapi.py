@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from pydantic.json_schema import GenerateJsonSchema, models_json_schema
 
+from gateway.api import jobs
 from gateway.api.jobs import CancelRequest
 from gateway.api.pull import CompleteRequest, FailRequest, HeartbeatRequest, LeaseRequest
 from gateway.ledger.flows import FlowSpec
@@ -23,6 +24,19 @@ from gateway.ledger.jobs import BATCH_STATUSES, STATUSES, JobRequest, ResumeRequ
 from gateway.validation import MAX_DEPTH
 
 REF = "#/components/schemas/{model}"
+MICROSECOND = 1e-6
+#: The widest integer a body may hold (validation.strict_loads): |n| < 2**64.
+INT64_WIDE = 2**64 - 1
+LEASE_BOUNDS = (0.05, 86_400.0)  # seconds (flows.Stage._positive_lease)
+#: Any JSON value as the strict decoder takes it: integers within 64 bits, nested at most MAX_DEPTH.
+JSON_VALUE: dict[str, Any] = {
+    "description": f"any JSON value: integers within 64 bits (|n| < 2^64), nested at most "
+                   f"{MAX_DEPTH} levels",
+    "anyOf": [{"type": ["string", "boolean", "null"]},
+              {"type": "number", "not": {"type": "integer"}},
+              {"type": "integer", "minimum": -INT64_WIDE, "maximum": INT64_WIDE},
+              {"type": "array", "items": {"$ref": "#/components/schemas/JsonValue"}},
+              {"type": "object", "additionalProperties": {"$ref": "#/components/schemas/JsonValue"}}]}
 
 
 class CallbackError(BaseModel):
@@ -73,8 +87,11 @@ class _Schemas(GenerateJsonSchema):
                                ("lt", "exclusiveMaximum"), ("le", "maximum")):
             if schema.get(bound) is not None:
                 seconds[keyword] = schema[bound].total_seconds()
+        if seconds.get("exclusiveMinimum") == 0:  # a duration has microsecond resolution: 5e-324 is 0
+            del seconds["exclusiveMinimum"]
+            seconds["minimum"] = MICROSECOND
         return {"anyOf": [seconds, {"type": "string", "format": "duration"}],
-                "description": "seconds, or an ISO 8601 duration such as PT30S"}
+                "description": "seconds, or an ISO 8601 duration such as PT30S (held to the same bounds)"}
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
@@ -103,7 +120,11 @@ VIEW_SCHEMAS: dict[str, Any] = {
             "instance": {**STR, "description": "500 only: urn:batchgate:error:<error_id>"},
             "error_id": {**STR, "description": "500 only: quote it to find the server's log line"},
             "errors": {"type": "array", "description": "422: each invalid field (values never echoed)",
-                       "items": _obj(["field", "message"], field=STR, message=STR)}}},
+                       "items": _obj(["field", "message"], field=STR, message=STR)},
+            "quota": {"enum": ["active_jobs", "job_creations_per_minute", "leases_per_second"],
+                      "description": "429: the tenant quota that refused the request"},
+            "limit": {**INT, "description": "429: that quota's limit"},
+            "retry_after_s": {**NUM, "description": "429: seconds until a retry can be admitted"}}},
     "Health": _obj(["status"], status={"const": "ok"}, instance=STR),
     "FlowRecord": _obj(["flow", "hash", "content_hash", "created_ms"],
                        flow=_obj(["id", "version", "stages"], id=STR, version=STR,
@@ -166,12 +187,53 @@ PROBLEM_TEXT = {
     413: "the body exceeds BATCHGATE_MAX_BODY_BYTES",
     415: "a body that is not application/json",
     422: "the request failed validation (errors names each field)",
+    429: "a tenant quota refuses the request (nothing was written): quota, limit and retry_after_s "
+         "say which, how much and when; see Retry-After",
     500: "unexpected error; error_id identifies the log line",
     503: "the ledger (its Redis down, restarting or loading) or a source is unavailable; see Retry-After",
 }
 AUTH = (401,)
 BODY = (400, 413, 415, 422)
 SERVER = (500, 503)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A check validation makes that JSON Schema cannot state (it spans fields, or the ledger's state):
+    listed in the operation as ``x-batchgate-rules``. A 4xx of problem type ``problem`` whose detail or
+    error messages match ``match`` is this rule (tests/test_schemathesis.py holds schema-valid requests
+    to exactly these refusals)."""
+
+    says: str
+    problem: str
+    match: str
+
+    def document(self) -> dict[str, str]:
+        return {"rule": self.says, "problem": self.problem, "match": self.match}
+
+
+SOURCE_RULE = Rule("a source is checked by its type (README, Sources) and read once at creation",
+                   "invalid-request", r"^(source|the source|file sources|a fetching first stage|an external "
+                   r"source|the flow defines no source)")
+FLOW_RULES = (
+    Rule("stage names are unique", "invalid-request", "stage names must be unique"),
+    Rule("only the first stage may fetch items", "invalid-request", "only the first stage may fetch"),
+    Rule("a stage's max_run is at least its lease", "invalid-request", "must be at least the stage's lease"),
+    Rule("a duration given as an ISO 8601 string is held to the bounds stated for seconds",
+         "invalid-request", r"^Input should be (greater|less) than|^Value error, lease must be between"),
+    Rule("a target is checked by its type (connectors/)", "invalid-request", r"target"),
+    Rule("a target's *_secret fields name secrets the tenant has", "invalid-request", "names the secret"),
+    Rule(SOURCE_RULE.says, "invalid-request", r"source|a fetching first stage|an external source"),
+)
+JOB_RULES = (
+    Rule("an Idempotency-Key is used with one body only", "idempotency-mismatch", ""),
+    SOURCE_RULE,
+)
+COMPLETE_RULES = (
+    Rule("items come only from a job whose first stage fetches", "invalid-request",
+         "items may only be sent by a fetching first stage"),
+)
+RESUME_RULES = (Rule("a cursor is checked against the job's source type", "invalid-request", "^cursor"),)
 
 
 @dataclass(frozen=True)
@@ -186,6 +248,7 @@ class Route:
     params: tuple[dict[str, Any], ...] = ()
     public: bool = False  # no bearer token (health, the document, signed URLs)
     tags: tuple[str, ...] = field(default=())
+    rules: tuple[Rule, ...] = ()
 
 
 def _path_param(name: str, schema: dict[str, Any], example: Any, description: str) -> dict[str, Any]:
@@ -204,11 +267,17 @@ VERSION = _path_param("version", {"type": "string"}, "1", "a flow version")
 SEQ = _path_param("seq", {"type": "integer", "minimum": 0, "maximum": 2**53}, 0, "a batch's sequence")
 TOKEN = _path_param("token", {"type": "string"}, "eyJqIjoiam9iXzAxIn0.c2ln", "the signed token")
 LIMIT = _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}, "at most this many")
-AFTER_ID = _query("after", {"type": "string"}, "a log entry id (1700000000000-0): entries after it")
+#: A log entry id XRANGE takes: ``-`` (from the start), ``<ms>`` or ``<ms>-<seq>`` (19 digits each at
+#: most, so every id the pattern admits is below Redis's 2^64 - 1 ceiling).
+LOG_ID = f"^({jobs.LOG_ID})$"
+AFTER_ID = _query("after", {"type": "string", "pattern": LOG_ID},
+                  "a log entry id (1700000000000-0): entries after it")
 LOG_LIMIT = _query("limit", {"type": "integer", "minimum": 1, "maximum": 10_000}, "at most this many")
 IDEMPOTENCY_KEY = {"name": "Idempotency-Key", "in": "header", "required": False,
-                   "schema": {"type": "string", "maxLength": 200},
-                   "description": "replays the first answer to the same key and body for 24 h"}
+                   "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+                   "description": "replays the first answer to the same key and body for 24 h; the same "
+                                  "key with another body is a 422 (idempotency-mismatch), while the first "
+                                  "is in flight a 409; a 409 or 429 answer is not kept for the key"}
 CONTROL = (404, 409, 413, 415)  # POSTs without a body model still refuse a non-JSON body
 
 ROUTES: tuple[Route, ...] = (
@@ -218,7 +287,7 @@ ROUTES: tuple[Route, ...] = (
           public=True, tags=("health",)),
     Route("post", "/v1/flows", "Register a flow version",
           {201: ("registered", "FlowRecord"), 200: ("already registered, identical", "FlowRecord")},
-          (*BODY, 409), body=FlowSpec, tags=("flows",)),
+          (*BODY, 409), body=FlowSpec, tags=("flows",), rules=FLOW_RULES),
     Route("get", "/v1/flows", "Every version of every flow", {200: ("flows", "FlowList")},
           tags=("flows",)),
     Route("get", "/v1/flows/{flow_id}", "The latest version, and every version's name",
@@ -227,8 +296,8 @@ ROUTES: tuple[Route, ...] = (
           {200: ("the version", "FlowRecord")}, (404,), params=(FLOW, VERSION), tags=("flows",)),
     Route("delete", "/v1/flows/{flow_id}/versions/{version}", "Retire a version",
           {204: ("retired", None)}, (404,), params=(FLOW, VERSION), tags=("flows",)),
-    Route("post", "/v1/jobs", "Create a job", {201: ("created", "JobView")}, (*BODY, 404, 409),
-          body=JobRequest, params=(IDEMPOTENCY_KEY,), tags=("jobs",)),
+    Route("post", "/v1/jobs", "Create a job", {201: ("created", "JobView")}, (*BODY, 404, 409, 429),
+          body=JobRequest, params=(IDEMPOTENCY_KEY,), tags=("jobs",), rules=JOB_RULES),
     Route("get", "/v1/jobs", "Jobs, newest first", {200: ("jobs", "JobList")}, (422,),
           params=(_query("status", {"enum": list(STATUSES)}, "only jobs in this status"), LIMIT),
           tags=("jobs",)),
@@ -255,19 +324,20 @@ ROUTES: tuple[Route, ...] = (
           (*BODY, 404, 409), body=CancelRequest, body_required=False, params=(JOB,), tags=("control",)),
     Route("post", "/v1/jobs/{job_id}/resume", "Resume, re-open, or re-plan from a cursor",
           {200: ("the job", "JobView")}, (*BODY, 404, 409), body=ResumeRequest, body_required=False,
-          params=(JOB,), tags=("control",)),
+          params=(JOB,), tags=("control",), rules=RESUME_RULES),
     Route("post", "/v1/jobs/{job_id}/retry-failed", "Re-open failed batches",
           {200: ("the job", "JobView")}, CONTROL, params=(JOB,), tags=("control",)),
     Route("post", "/v1/jobs/{job_id}/lease", "Lease the next ready batch (pull mode)",
           {200: ("a batch", "LeaseEnvelope"),
            204: ("nothing ready; Batchgate-Job-Status says whether to wait or stop", None)},
-          (*BODY, 404, 409), body=LeaseRequest, body_required=False, params=(JOB,), tags=("pull",)),
+          (*BODY, 404, 409, 429), body=LeaseRequest, body_required=False, params=(JOB,),
+          tags=("pull",)),
     Route("post", "/v1/jobs/{job_id}/batches/{seq}/heartbeat", "Extend a lease, report progress",
           {200: ("the new deadline", "HeartbeatResult")}, (*BODY, 404, 409), body=HeartbeatRequest,
           params=(JOB, SEQ), tags=("pull",)),
     Route("post", "/v1/jobs/{job_id}/batches/{seq}/complete", "Commit a stage's output",
           {200: ("committed (or the first answer again)", "CompleteResult")}, (*BODY, 404, 409),
-          body=CompleteRequest, params=(JOB, SEQ), tags=("pull",)),
+          body=CompleteRequest, params=(JOB, SEQ), tags=("pull",), rules=COMPLETE_RULES),
     Route("post", "/v1/jobs/{job_id}/batches/{seq}/fail", "Report a failed attempt",
           {200: ("retry scheduled, or failed for good", "FailResult")}, (*BODY, 404, 409),
           body=FailRequest, params=(JOB, SEQ), tags=("pull",)),
@@ -283,7 +353,7 @@ ROUTES: tuple[Route, ...] = (
 def _problem_response(status: int) -> dict[str, Any]:
     resp: dict[str, Any] = {"description": PROBLEM_TEXT[status],
                             "content": {"application/problem+json": {"schema": _ref("Problem")}}}
-    if status == 503:
+    if status in (429, 503):
         resp["headers"] = {"Retry-After": {"schema": {"type": "integer"},
                                            "description": "seconds to wait"}}
     if status == 401:
@@ -305,6 +375,10 @@ def _operation(route: Route) -> dict[str, Any]:
         op["requestBody"] = {"required": route.body_required, "content": {"application/json": media}}
     if route.public:
         op["security"] = []
+    if route.rules:
+        op["x-batchgate-rules"] = [rule.document() for rule in route.rules]
+        op["description"] = "Also checked (JSON Schema cannot say it): " + "; ".join(
+            rule.says for rule in route.rules) + "."
     responses: dict[str, Any] = {}
     for status, (description, schema) in route.ok.items():
         resp: dict[str, Any] = {"description": description}
@@ -331,7 +405,45 @@ def request_schemas() -> dict[str, Any]:
         warnings.simplefilter("ignore")  # defaults that are sentinels (ABSENT) are left out
         _, top = models_json_schema([(m, "validation") for m in REQUEST_MODELS], ref_template=REF,
                                     schema_generator=_Schemas)
-    return top.get("$defs", {})
+    defs = _json_values(top.get("$defs", {}))
+    lease = defs["Stage"]["properties"]["lease"]  # Stage._positive_lease, a validator pydantic cannot show
+    lease["anyOf"][0].update(minimum=LEASE_BOUNDS[0], maximum=LEASE_BOUNDS[1])
+    lease["description"] = (f"time a holder has per attempt: {LEASE_BOUNDS[0]:g} s to 1 day, seconds or "
+                            "an ISO 8601 duration")
+    flow = defs["FlowSpec"]["properties"]
+    flow["stages"]["description"] = ("stage names are unique; only the first stage may fetch; each "
+                                     "stage's max_run is at least its lease")
+    flow["source"]["description"] = "the items: checked by their type (README, Sources)"
+    defs["Stage"]["properties"]["target"]["description"] = (
+        "push mode: the platform workflow batchgate triggers, checked by its type (connectors/)")
+    defs["CompleteRequest"]["properties"]["items"]["description"] = (
+        "the batch's items: only from a job whose first stage fetches (fetches: true)")
+    return {**defs, "JsonValue": JSON_VALUE}
+
+
+def _json_values(node: Any) -> Any:
+    """Free-form values (``Any``, ``dict[str, Any]``, ``list[Any]``) as ``JsonValue``: what the strict
+    decoder takes, integers within 64 bits."""
+    if isinstance(node, list):
+        return [_json_values(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "properties":
+            out[key] = {name: _any_or(_json_values(prop)) for name, prop in value.items()}
+        elif key in ("additionalProperties", "items") and (value is True or value == {}):
+            out[key] = {"$ref": REF.format(model="JsonValue")}
+        else:
+            out[key] = _json_values(value)
+    return out
+
+
+def _any_or(prop: dict[str, Any]) -> dict[str, Any]:
+    """A property that says nothing of its type takes any JSON value."""
+    if any(k in prop for k in ("type", "anyOf", "oneOf", "allOf", "$ref", "const", "enum")):
+        return prop
+    return {**prop, "allOf": [{"$ref": REF.format(model="JsonValue")}]}
 
 
 @functools.cache

@@ -8,6 +8,7 @@ from flask import Blueprint, g, jsonify
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.api.common import json_body, request_services
+from gateway.api.jobs import request_quotas
 from gateway.ledger.ledger import ABSENT
 from gateway.validation import parse
 
@@ -55,7 +56,9 @@ class FailRequest(BaseModel):
 
 @bp.post("/lease")
 def lease(job_id: str):
-    """200 with the batch envelope, or 204 (header Batchgate-Job-Status says why)."""
+    """200 with the batch envelope, or 204 (header Batchgate-Job-Status says why); 429 past the
+    tenant's leases-per-second quota (every lease request counts, answered or not)."""
+    request_quotas().admit_lease(g.tenant)
     services = request_services()
     services.jobs.owned_spec(g.tenant, job_id)
     req = parse(LeaseRequest, json_body(required=False), "lease request")

@@ -64,8 +64,9 @@ class JobService:
         self.ledger = ledger
         self.flows = flows
 
-    def create(self, tenant: str, req: JobRequest) -> dict[str, Any]:
-        """Create a job; reads (and drops) at most the source's first batch, to refuse an unreadable one."""
+    def create(self, tenant: str, req: JobRequest, job_id: str | None = None) -> dict[str, Any]:
+        """Create a job (under ``job_id`` if given: the id a quota admitted); reads (and drops) at most
+        the source's first batch, to refuse an unreadable one."""
         record = self.flows.get(tenant, req.flow_id, req.flow_version)
         flow = FlowSpec.model_validate(record["flow"])
         source = req.source if req.source is not None else flow.source
@@ -81,7 +82,7 @@ class JobService:
         check_batch_bound(flow.batching, source, self.ledger.settings)  # 422 before the probe reads
         # 422/503 now rather than failing every lease later; a path must be one the tenant may read
         total_bytes = probe_source(source, flow, self.ledger.settings, tenant)
-        spec = JobSpec(job_id=new_job_id(), tenant=tenant, flow=flow, flow_hash=record["hash"],
+        spec = JobSpec(job_id=job_id or new_job_id(), tenant=tenant, flow=flow, flow_hash=record["hash"],
                        source=source, params=req.params,
                        total_hint=total_hint(source, len(inline) if inline is not None else None),
                        total_bytes=total_bytes, key_scheme="range")

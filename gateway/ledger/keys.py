@@ -41,7 +41,20 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
 ``<p>:target:<id>:waiting``           set     job ids with batches waiting for that target to answer
 ``<p>:push:jobs``                     set     job ids with push stages the workers feed (kick adds)
 ``<p>:push:wake``                     list    job ids whose work may be ready now (kick pushes)
+``<p>:quota:active:{<tenant>}``       set     the tenant's job ids that may still be active: added
+                                              by quota.lua when a creation is admitted, re-added on
+                                              resume; pruned from the jobs' own status (quotas.py);
+                                              no expiry
+``<p>:quota:creations:{<tenant>}``    string  job-creation rate (GCRA arrival time, ms); quota.lua;
+                                              expires when the tenant is idle (at most a minute)
+``<p>:quota:leases:{<tenant>}``       string  pull-lease rate (GCRA arrival time, ms); quota.lua;
+                                              expires when the tenant is idle (at most a second)
+``<p>:quota:prune:{<tenant>}``        string  the last prune of the active set; PX 1 s (one a second)
 ===================================  ======  ===============================================
+
+The quota keys end with the tenant name as the hash tag: one slot per tenant (quota.lua touches two
+of them), and two tenants' keys never collide whatever their names, since the tenant is the whole
+rest of the key.
 """
 
 from __future__ import annotations
@@ -153,6 +166,18 @@ class Keys:
     @property
     def push_wake(self) -> str:
         return f"{self.prefix}:push:wake"
+
+    def quota_active(self, tenant: str) -> str:
+        return f"{self.prefix}:quota:active:{{{tenant}}}"
+
+    def quota_creations(self, tenant: str) -> str:
+        return f"{self.prefix}:quota:creations:{{{tenant}}}"
+
+    def quota_leases(self, tenant: str) -> str:
+        return f"{self.prefix}:quota:leases:{{{tenant}}}"
+
+    def quota_prune(self, tenant: str) -> str:
+        return f"{self.prefix}:quota:prune:{{{tenant}}}"
 
     def idempotency_claim(self, tenant: str, key: str) -> str:
         digest = hashlib.sha256(key.encode()).hexdigest()
