@@ -514,6 +514,14 @@ def test_complete_ok_advances_stage_then_commits(ledger, job):
     assert j.all_intact()
 
 
+def test_complete_between_stages_reports_a_pause_taken_meanwhile(ledger, job):
+    """Issue 15: the worker logged job_status=running for an answer committed after a pause."""
+    j = job(items=list("abcdef"), max_items=3)
+    first = ledger.lease(j.id)
+    ledger.pause(j.id, "op")
+    assert complete(j, 0, first.lease_token, {"scores": [1]}) == ["ok", "1", "paused", "1", "0"]
+
+
 def test_complete_last_batch_finishes_the_job(ledger, job):
     j = job(items=3, max_items=3, stages=("only",))
     first = ledger.lease(j.id)  # plans [0,3) and sees the source end

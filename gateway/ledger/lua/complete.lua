@@ -114,4 +114,7 @@ save(KEYS[2], batch, bchg)
 if job then save(KEYS[1], job, jchg) end
 log(KEYS[6], ARGV[7], {'event', 'stage_completed', 'seq', seq, 'stage', int(stage),
   'attempt', attempt, 'duration_ms', int(now - tonumber(batch['leased_ms']))})
-return {'ok', int(next_stage), job and job['status'] or 'running', attempt, int(stage)}
+-- the job's status as it is now (read, not assumed, when the job record was not loaded: a pause
+-- between lease and answer must show in the answer and the log)
+local status = job and job['status'] or redis.call('HGET', KEYS[1], 'status') or 'missing'
+return {'ok', int(next_stage), status, attempt, int(stage)}
