@@ -20,6 +20,11 @@ with "Connection in use" for as long. Here:
   ``application/problem+json`` body, the reason cut to 200 characters. If a gunicorn release drops the
   function the replacement is skipped and the HTML answers stay (README, "Errors").
 
+Not when the listening socket came from a service manager (systemd socket activation: ``LISTEN_FDS``,
+or ``--bind fd://N``): that socket is shared with the manager, which holds it across restarts so that
+connections arriving while batchgate restarts wait in its backlog instead of being refused; shutting
+it down would break it for the next start.
+
 ``SO_REUSEPORT`` was not used: it would let a new server bind beside the orphans, but the kernel would
 keep handing about half the new connections to their sockets, which no longer accept; and two servers
 started on one port by mistake would both run, silently sharing it.
@@ -82,6 +87,10 @@ def use_problem_errors() -> bool:
 def post_fork(server: Any, worker: Any) -> None:
     """In the new worker: problem+json for gunicorn's own errors; SIGTERM when the master dies (Linux)."""
     use_problem_errors()
+    # a listening socket handed over by a service manager (systemd's LISTEN_FDS, or --bind fd://N) is
+    # shared with it: it keeps the socket, and the connections that arrive, across our restarts
+    worker.batchgate_shared_listener = bool(getattr(server, "systemd", False)) or any(
+        isinstance(address, int) for address in getattr(server.cfg, "address", ()))
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -112,7 +121,7 @@ def post_worker_init(worker: Any) -> None:
     def on_term(sig: int, frame: Any) -> None:
         # (a signal handler runs in the main thread between two steps of the accept loop, and the
         # graceful handler below clears worker.alive before the loop can see the shut listener)
-        if os.getppid() != master:
+        if os.getppid() != master and not getattr(worker, "batchgate_shared_listener", False):
             for listener in worker.sockets:
                 try:
                     getattr(listener, "sock", listener).shutdown(socket.SHUT_RDWR)
