@@ -35,6 +35,8 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
 ``<p>:target:<id>:waiting``           set     job ids with batches waiting for that target to answer
 ``<p>:push:jobs``                     set     job ids with push stages the workers feed (kick adds)
 ``<p>:push:wake``                     list    job ids whose work may be ready now (kick pushes)
+``<p>:boot``                          hash    the deployment's generation: live processes (deadline
+                                              each) and whether start-up recovery is decided; boot.lua
 ===================================  ======  ===============================================
 """
 
@@ -147,6 +149,10 @@ class Keys:
     @property
     def push_wake(self) -> str:
         return f"{self.prefix}:push:wake"
+
+    @property
+    def boot(self) -> str:
+        return f"{self.prefix}:boot"
 
     def idempotency_claim(self, tenant: str, key: str) -> str:
         digest = hashlib.sha256(key.encode()).hexdigest()
