@@ -148,7 +148,7 @@ def test_record_mode_a_worker_started_before_the_supervisor_calls_no_platform_fo
         procs.append(_worker(env, log_path))  # the first process after the crash: no supervisor yet
         _until("the job held, or a call", lambda: ledger.job_fields(job_id)["status"] == "held"
                or len(platform.seqs()) > at_crash, 30, log_path)
-        time.sleep(1.0)  # the worker feeds every 0.1 s: it would have called by now
+        time.sleep(0.5)  # the worker feeds every 0.1 s: it would have called by now
         assert len(platform.seqs()) == at_crash, "a crashed job was called before (or despite) its hold"
         assert ledger.job_fields(job_id)["status"] == "held"
         sup = Supervisor(ledger, name="late")

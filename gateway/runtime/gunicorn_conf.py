@@ -12,6 +12,13 @@ with "Connection in use" for as long. Here:
   but never accepted get a reset, connections already accepted are untouched), then stops as gunicorn
   stops a worker: requests in flight finish within ``graceful_timeout``, nothing new is accepted.
 
+Import path: gunicorn puts its working directory first on ``sys.path`` (``Application.chdir``, before
+and after it reads this file), so a ``numbers.py`` in the folder ``serve`` or ``up`` started from would
+be imported by the master and every worker. This file is loaded by path (``--config <file>``, never
+looked up on that path), takes the entry out before anything else is imported, and keeps gunicorn's
+second chdir from putting it back. With ``python -P`` (gateway/runtime/procs.py ``python``) nothing from
+the working directory is ever imported.
+
 ``SO_REUSEPORT`` was not used: it would let a new server bind beside the orphans, but the kernel would
 keep handing about half the new connections to their sockets, which no longer accept; and two servers
 started on one port by mistake would both run, silently sharing it.
@@ -19,12 +26,30 @@ started on one port by mistake would both run, silently sharing it.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
-import socket
 import sys
-from typing import Any
+
+_CWD = os.path.realpath(os.getcwd())
+_NAMED = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+if _CWD not in _NAMED:  # (procs.safe_path_env names a source checkout run in place explicitly)
+    sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != _CWD]
+
+
+def _chdir_only(self: object) -> None:
+    os.chdir(self.cfg.chdir)  # type: ignore[attr-defined]  # gunicorn's, without the sys.path insert
+
+
+try:
+    from gunicorn.app.base import Application
+
+    Application.chdir = _chdir_only  # type: ignore[method-assign]
+except (ImportError, AttributeError):  # not under gunicorn's own runner
+    pass
+
+import ctypes  # noqa: E402 - after the path is safe
+import signal  # noqa: E402
+import socket  # noqa: E402
+from typing import Any  # noqa: E402
 
 PR_SET_PDEATHSIG = 1
 
