@@ -265,12 +265,7 @@ def test_up_stops_the_rest_and_fails_when_a_child_dies(tmp_path):
     assert not (data / "redis.json").exists()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_up_killed_with_sigkill_takes_its_children_along(tmp_path):
-    data = tmp_path / "data"
-    up = start_up(tmp_path, data, free_port())
-    assert up.stop(signal.SIGKILL) == -signal.SIGKILL
-    assert leftovers(data, timeout_s=15) == {}
+# a SIGKILLed `up` taking every child along: tests/test_children.py (with the bound and the import path)
 
 
 class _Health(BaseHTTPRequestHandler):

@@ -27,6 +27,7 @@ from gateway.ledger.embedded import EmbeddedRedis, client_for, free_port
 from gateway.ledger.ledger import Ledger
 from gateway.settings import Settings
 from tests.conftest import TOKEN
+from tests.test_record_mode import crashed_generation
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux process semantics")
 
@@ -276,6 +277,7 @@ def test_supervisor_started_while_redis_is_down_waits_then_recovers_and_survives
     registry.register("acme", parse_flow(FLOW))
     job_id = JobService(ledger, registry).create("acme", JobRequest(flow_id="restart"))["job_id"]
     first = ledger.lease(job_id)  # its worker dies: the lease (0.5 s) is left to run out
+    crashed_generation(ledger)  # with the rest of the deployment: the supervisor's start is a restart
     server.kill()
     sup = Proc(tmp_path, "supervisor", ["supervisor"],
                env_for(url, tmp_path / "data", BATCHGATE_SUPERVISOR_INTERVAL="0.2"))

@@ -42,6 +42,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     from gateway.api import callbacks, flows, health, jobs, pull
     from gateway.ledger.embedded import connect
     from gateway.push.dispatch import Dispatcher
+    from gateway.push.supervisor import recovery_gate
 
     settings = settings or Settings()
     if client is None:
@@ -74,6 +75,8 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     if deferred_check:
         app.before_request(ledger.check_digest_agreement)  # a no-op once it has passed
     app.before_request(_authenticate)
+    startup = recovery_gate(ledger, "api")  # a restart's recovery is decided before any job request
+    app.before_request(lambda: _recovery_decided(startup))
     app.before_request(_json_bodies_only)
     app.after_request(_no_content_no_type)
     _register_errors(app)
@@ -159,6 +162,14 @@ def _authenticate() -> None:
         raise Unauthorized("a valid bearer token is required (Authorization: Bearer <token>)")
     g.tenant = tenant
     g.actor = f"tenant:{tenant}"
+
+
+def _recovery_decided(generation: Any) -> None:
+    """Tenant requests wait (up to 5 s, then 503) until start-up recovery after a restart is decided:
+    no job is leased or created before jobs left running by the crash are held (record mode)."""
+    if getattr(g, "tenant", None) is not None and not generation.ready(wait_s=5.0):
+        raise RetryableError("batchgate is deciding its recovery after a restart; try again shortly",
+                             retry_after=timedelta(seconds=1))
 
 
 def problem(status: int, title: str, detail: str, **extra) -> Response:

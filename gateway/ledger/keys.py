@@ -50,6 +50,8 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
 ``<p>:quota:leases:{<tenant>}``       string  pull-lease rate (GCRA arrival time, ms); quota.lua;
                                               expires when the tenant is idle (at most a second)
 ``<p>:quota:prune:{<tenant>}``        string  the last prune of the active set; PX 1 s (one a second)
+``<p>:boot``                          hash    the deployment's generation: live processes (deadline
+                                              each) and whether start-up recovery is decided; boot.lua
 ===================================  ======  ===============================================
 
 The quota keys end with the tenant name as the hash tag: one slot per tenant (quota.lua touches two
@@ -178,6 +180,9 @@ class Keys:
 
     def quota_prune(self, tenant: str) -> str:
         return f"{self.prefix}:quota:prune:{{{tenant}}}"
+    @property
+    def boot(self) -> str:
+        return f"{self.prefix}:boot"
 
     def idempotency_claim(self, tenant: str, key: str) -> str:
         digest = hashlib.sha256(key.encode()).hexdigest()

@@ -2,6 +2,10 @@
 
 Several supervisors may run at once: recovery claims a job with SET NX before touching it, and the
 expire script re-checks every deadline, so a lease is never expired twice.
+
+Start-up recovery runs once per restart of the deployment, not once per supervisor start: whichever
+process contacts Redis first after every earlier one stopped or crashed (a supervisor, a worker, an API
+worker) runs ``recover_jobs`` before any of them may run a job (gateway/ledger/generation.py).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import redis
 
 from gateway.errors import BatchgateError, Conflict, CorruptRecord, NotFound
+from gateway.ledger.generation import Generation
 from gateway.ledger.ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -27,6 +32,67 @@ RETRY_MAX_S = 2.0  # longest wait between two tries at start while Redis is down
 REDIS_DOWN_LOG_S = 30.0  # while Redis stays down, one warning this often
 
 
+def recovery_gate(ledger: Ledger, role: str) -> Generation:
+    """This process's membership of the generation; if it must decide, it runs ``recover_jobs``."""
+    actor = f"{role}@{socket.gethostname()}:{os.getpid()}"
+    return Generation(ledger.r, ledger.keys, role, lambda gen_ms: recover_jobs(ledger, actor, gen_ms))
+
+
+def recover_jobs(ledger: Ledger, actor: str, crash_ms: int | None = None) -> list[dict[str, Any]]:
+    """Recover (auto) or hold (record) every job running now that was created at or before
+    ``crash_ms`` (now if None); returns one report entry per job touched."""
+    crash_ms = int(time.time() * 1000) if crash_ms is None else crash_ms
+    report = []
+    for job_id in sorted(ledger.r.smembers(ledger.keys.active)):
+        try:
+            entry = _recover_job(ledger, actor, job_id, crash_ms)
+        except (NotFound, CorruptRecord) as exc:
+            log.warning("recovery skipped job_id=%s: %s", job_id, exc.detail)
+            continue
+        if entry:
+            report.append(entry)
+    return report
+
+
+def _recover_job(ledger: Ledger, actor: str, job_id: str, crash_ms: int) -> dict[str, Any] | None:
+    k = ledger.keys.job(job_id)
+    job = ledger.job_fields(job_id)
+    if job["status"] != "running":
+        return None
+    if int(job.get("created_ms") or 0) > crash_ms:
+        log.info("recovery: job_id=%s was created after the restart; nothing to recover", job_id)
+        return None
+    mode = ledger.settings.recovery
+    leased = [int(s) for s in ledger.r.zrange(k.leases, 0, -1)]
+    entry = {"job_id": job_id, "committed_cursor": job["committed_cursor"],
+             "leased_batches": leased, "mode": mode}
+    if mode == "record":
+        # Held in the ledger: no expiry, pump, kick or queued call runs for it until released.
+        # Only one of several deciders wins the running -> held change.
+        try:
+            ledger.hold(job_id, f"{actor} (recovery: record)",
+                        f"found running at a restart; would resume from cursor "
+                        f"{job['committed_cursor']} and return leased batches {leased} "
+                        f"to the pool; release it to go on")
+        except Conflict:
+            return None
+        log.warning("recovery (record only) job_id=%s held: would resume from cursor %s; "
+                    "leased batches %s would return to the pool when their leases run out; "
+                    "`batchgate jobs release %s` lets it go", job_id, job["committed_cursor"],
+                    leased, job_id)
+        entry["held"] = True
+        return entry
+    if not ledger.r.set(k.recover, actor, nx=True, px=RECOVERY_CLAIM_MS):
+        return None
+    expired = ledger.expire_due(job_id, actor=f"{actor} (recovery)")
+    entry_fields = {"event": "job_recovered", "actor": actor, "expired": str(len(expired))}
+    ledger.r.xadd(k.log, entry_fields, maxlen=ledger.settings.log_maxlen, approximate=True)
+    ledger.r.xadd(k.audit, entry_fields)
+    entry["expired_now"] = [seq for seq, _ in expired]
+    log.info("recovered job_id=%s expired=%s", job_id, entry["expired_now"])
+    return entry
+
+
 class Supervisor:
     """One supervisor process (or thread); ``run`` loops until ``stop`` is set."""
 
@@ -35,56 +101,20 @@ class Supervisor:
         self.dispatcher = dispatcher
         self.settings = ledger.settings
         self.name = name or f"supervisor@{socket.gethostname()}:{os.getpid()}"
+        self.generation = Generation(ledger.r, ledger.keys, "supervisor",
+                                     lambda gen_ms: self.recover(gen_ms))
         self.stop = threading.Event()
         self._down_since: float | None = None  # monotonic time Redis was first found unavailable
         self._down_logged = 0.0
 
-    def recover(self) -> list[dict[str, Any]]:
-        """At start: find jobs left running and recover them, or only report them (record mode)."""
-        report = []
-        for job_id in sorted(self.ledger.r.smembers(self.ledger.keys.active)):
-            try:
-                entry = self._recover_job(job_id)
-            except (NotFound, CorruptRecord) as exc:
-                log.warning("recovery skipped job_id=%s: %s", job_id, exc.detail)
-                continue
-            if entry:
-                report.append(entry)
-        return report
+    def recover(self, crash_ms: int | None = None) -> list[dict[str, Any]]:
+        """Find jobs left running by a crash and recover them, or only hold them (record mode).
 
-    def _recover_job(self, job_id: str) -> dict[str, Any] | None:
-        k = self.ledger.keys.job(job_id)
-        job = self.ledger.job_fields(job_id)
-        if job["status"] != "running":
-            return None
-        leased = [int(s) for s in self.ledger.r.zrange(k.leases, 0, -1)]
-        entry = {"job_id": job_id, "committed_cursor": job["committed_cursor"],
-                 "leased_batches": leased, "mode": self.settings.recovery}
-        if self.settings.recovery == "record":
-            # Held in the ledger: no expiry, pump, kick or queued call runs for it until released.
-            # Only one of several supervisors starting together wins the running -> held change.
-            try:
-                self.ledger.hold(job_id, f"{self.name} (recovery: record)",
-                                 f"found running at supervisor start; would resume from cursor "
-                                 f"{job['committed_cursor']} and return leased batches {leased} "
-                                 f"to the pool; release it to go on")
-            except Conflict:
-                return None
-            log.warning("recovery (record only) job_id=%s held: would resume from cursor %s; "
-                        "leased batches %s would return to the pool when their leases run out; "
-                        "`batchgate jobs release %s` lets it go", job_id, job["committed_cursor"],
-                        leased, job_id)
-            entry["held"] = True
-            return entry
-        if not self.ledger.r.set(k.recover, self.name, nx=True, px=RECOVERY_CLAIM_MS):
-            return None
-        expired = self.ledger.expire_due(job_id, actor=f"{self.name} (recovery)")
-        entry_fields = {"event": "job_recovered", "actor": self.name, "expired": str(len(expired))}
-        self.ledger.r.xadd(k.log, entry_fields, maxlen=self.settings.log_maxlen, approximate=True)
-        self.ledger.r.xadd(k.audit, entry_fields)
-        entry["expired_now"] = [seq for seq, _ in expired]
-        log.info("recovered job_id=%s expired=%s", job_id, entry["expired_now"])
-        return entry
+        Only jobs created at or before ``crash_ms`` (the generation's start: see
+        gateway/ledger/generation.py; now if not given) are touched: a job created after the restart
+        was never running at the crash.
+        """
+        return recover_jobs(self.ledger, self.name, crash_ms)
 
     def tick(self) -> None:
         """One pass: expire due leases of active jobs; retire finished jobs from the active set."""
@@ -121,19 +151,21 @@ class Supervisor:
         log.info("job retired from supervision job_id=%s status=%s", job_id, status)
 
     def run(self) -> None:
-        """Check the ledger and recover, then tick every ``supervisor_interval`` until stopped.
+        """Join the generation (deciding start-up recovery if this is the first process after a
+        restart, else waiting for the one that decides), then tick every ``supervisor_interval``.
 
         A Redis that is down (or restarting, or loading its AOF) is waited for, at start as well as
         between ticks: the process never exits for it, and redis-py reconnects by itself. No tick runs
-        before recovery has passed once (record mode must hold jobs before anything expires them).
+        before recovery is decided (record mode must hold jobs before anything expires them), nor while
+        a later generation's recovery is being decided by another process.
         """
         pause = 0.1
         while not self.stop.is_set():
             try:
                 self.ledger.check_digest_agreement()
-                self.recover()
-                self._redis_back()
-                break
+                if self.generation.ready(wait_s=1.0):
+                    self._redis_back()
+                    break
             except REDIS_DOWN as exc:
                 self._redis_down(exc, "recovery at start")
                 self.stop.wait(pause)
@@ -141,13 +173,15 @@ class Supervisor:
         interval = self.settings.supervisor_interval.total_seconds()
         while not self.stop.is_set():
             try:
-                self.tick()
+                if self.generation.ready():
+                    self.tick()
                 self._redis_back()
             except REDIS_DOWN as exc:
                 self._redis_down(exc, "tick")
             except Exception:  # noqa: BLE001 - leases must keep expiring: log it and tick again
                 log.exception("supervisor: a pass failed; ticking again")
             self.stop.wait(interval)
+        self.generation.leave()
 
     def _redis_down(self, exc: Exception, doing: str) -> None:
         """Log that Redis is unavailable: at once, then at most every REDIS_DOWN_LOG_S while it lasts."""

@@ -24,6 +24,13 @@ Which jobs. Jobs with push stages are in the ``push:jobs`` set (a kick adds them
 callback committed); the feeder also looks through the active set every RESCAN_S. A job with nothing to
 lease is looked at again after an idle backoff (IDLE_FIRST_S doubling to IDLE_MAX_S) unless kicked.
 
+Restarts of the deployment. Before it starts a poll thread or the feeder, the worker joins the
+deployment's generation (gateway/ledger/generation.py): if it is the first process after a restart it
+runs start-up recovery itself (in ``record`` mode: holds every job left running), else it waits until
+the process that decides has done so. So a worker started before the supervisor calls no platform for a
+job left running by the crash before that job's hold is decided. It renews its membership as it feeds,
+and leaves on a clean stop.
+
 Redis restarts. The feeder and the poll threads wait and reconnect; a call thread keeps a platform's
 answer until Redis takes it (Dispatcher._durably), so an answer is not lost and paid for again.
 
@@ -52,6 +59,7 @@ from rq.timeouts import TimerDeathPenalty
 
 from gateway.errors import BatchgateError, CorruptRecord, NotFound
 from gateway.push import dispatch
+from gateway.push.supervisor import recovery_gate
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +174,7 @@ class PushWorker:
                                  logging_level)
         self.work_items: list[tuple[str, Any]] = []
         self.have_work = threading.Condition(self.lock)
+        self.generation: Any = None  # run(): this process's membership of the generation
 
     # -- call threads ----------------------------------------------------------------------------
 
@@ -254,6 +263,9 @@ class PushWorker:
         next_rescan = 0.0
         while not self.stop.is_set():
             try:
+                if self.generation is not None and not self.generation.ready():
+                    self.stop.wait(FEED_IDLE_S)  # another process is deciding a restart's recovery
+                    continue
                 rescan = time.monotonic() >= next_rescan
                 started = self.feed_pass(d, rescan=rescan)
                 if rescan:
@@ -295,12 +307,29 @@ class PushWorker:
         with self.have_work:
             self.have_work.notify_all()
 
+    def wait_for_recovery(self) -> bool:
+        """Join the generation; block until start-up recovery is decided (by this process if it is the
+        first after a restart). False if stopped first. Waits for a Redis that is down."""
+        self.generation = recovery_gate(dispatch.dispatcher().ledger, "worker")
+        pause = 0.1
+        while not self.stop.is_set():
+            try:
+                if self.generation.ready(wait_s=1.0):
+                    return True
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("worker: redis unavailable at start (%s); waiting for it", type(exc).__name__)
+                self.stop.wait(pause)
+                pause = min(pause * 2, 5.0)
+        return False
+
     def run(self, burst: bool = False, install_signals: bool = True) -> int:
         setup_loghandlers(self.logging_level, name="rq.worker")  # once, before threads race to do it
         setup_loghandlers(self.logging_level, name="rq.job")
         if install_signals:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, self.request_stop)
+        if not self.wait_for_recovery():
+            return 0
         for i in range(self.concurrency):
             t = threading.Thread(target=self._call_loop, name=f"bg-call-{i}", daemon=True)
             t.start()
@@ -326,4 +355,5 @@ class PushWorker:
             log.warning("%d calls still in flight after the %.0f s grace: they keep their leases",
                         self.busy, self.grace_s)
         self.polls.request_stop()
+        self.generation.leave()
         return 1 if crashed else 0

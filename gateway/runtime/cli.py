@@ -171,11 +171,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     port = args.port or settings.port
     # gateway/runtime/gunicorn_conf.py: workers give the port back at once if this master is SIGKILLed, so
     # `serve` can be started again right away
-    os.execvp(sys.executable, [sys.executable, "-m", "gunicorn",
-                               "--config", "python:gateway.runtime.gunicorn_conf",
-                               "--bind", f"{settings.host}:{port}",
-                               "--workers", str(args.workers), "--threads", "4",
-                               "gateway.app:create_app()"])
+    # no module from the current directory in gunicorn or its workers (procs.python, gunicorn_conf)
+    os.environ.update(procs.safe_path_env(dict(os.environ)))
+    command = [*procs.python("-m", "gunicorn"), "--config", procs.GUNICORN_CONF,
+               "--bind", f"{settings.host}:{port}", "--workers", str(args.workers), "--threads", "4",
+               "gateway.app:create_app()"]
+    os.execv(command[0], command)
     return 0
 
 
@@ -183,6 +184,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """A push worker (gateway/push/worker.py): --concurrency N stage calls at once, fed from the ledger, and a
     few RQ threads for polls; SIGTERM lets calls in flight finish within BATCHGATE_WORKER_GRACE."""
     _, settings = connect(Settings())  # NoLedgerRedis before anything else
+    from gateway.runtime import procs
+
+    procs.tie_forks_to_this_process()  # RQ's scheduler (a fork) dies with this process
     # dispatcher() reads the URL from the environment
     os.environ["BATCHGATE_REDIS_URL"] = settings.redis_url.get_secret_value()
     from gateway.push.dispatch import dispatcher
@@ -204,7 +208,9 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
     from gateway.ledger.ledger import Ledger
     from gateway.push.dispatch import Dispatcher
     from gateway.push.supervisor import Supervisor
+    from gateway.runtime import procs
 
+    procs.tie_forks_to_this_process()  # it forks nothing itself; whatever a library forks dies with it
     ledger = Ledger(client, settings)  # run() checks it (collation) once Redis answers: it may be down now
     supervisor = Supervisor(ledger, dispatcher=Dispatcher.build(settings, ledger))
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -11,6 +11,10 @@ with "Connection in use" for as long. Here:
   sockets down (``shutdown(SHUT_RDWR)``: the port is free for a new bind at once; connections queued
   but never accepted get a reset, connections already accepted are untouched), then stops as gunicorn
   stops a worker: requests in flight finish within ``graceful_timeout``, nothing new is accepted.
+  Not when the listening socket came from a service manager (systemd socket activation:
+  ``LISTEN_FDS``, or ``--bind fd://N``): that socket is shared with the manager, which holds it across
+  restarts so that connections arriving meanwhile wait in its backlog instead of being refused;
+  shutting it down would break it for the next start.
 
 - ``post_fork``, too: gunicorn answers a request it cannot parse itself, before the app sees it (a
   request line over ``limit_request_line``: 414; too many or too long headers: 431; a malformed line,
@@ -20,10 +24,12 @@ with "Connection in use" for as long. Here:
   ``application/problem+json`` body, the reason cut to 200 characters. If a gunicorn release drops the
   function the replacement is skipped and the HTML answers stay (README, "Errors").
 
-Not when the listening socket came from a service manager (systemd socket activation: ``LISTEN_FDS``,
-or ``--bind fd://N``): that socket is shared with the manager, which holds it across restarts so that
-connections arriving while batchgate restarts wait in its backlog instead of being refused; shutting
-it down would break it for the next start.
+Import path: gunicorn puts its working directory first on ``sys.path`` (``Application.chdir``, before
+and after it reads this file), so a ``numbers.py`` in the folder ``serve`` or ``up`` started from would
+be imported by the master and every worker. This file is loaded by path (``--config <file>``, never
+looked up on that path), takes the entry out before anything else is imported, and keeps gunicorn's
+second chdir from putting it back. With ``python -P`` (gateway/runtime/procs.py ``python``) nothing from
+the working directory is ever imported.
 
 ``SO_REUSEPORT`` was not used: it would let a new server bind beside the orphans, but the kernel would
 keep handing about half the new connections to their sockets, which no longer accept; and two servers
@@ -32,13 +38,31 @@ started on one port by mistake would both run, silently sharing it.
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
-import signal
-import socket
 import sys
-from typing import Any
+
+_CWD = os.path.realpath(os.getcwd())
+_NAMED = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+if _CWD not in _NAMED:  # (procs.safe_path_env names a source checkout run in place explicitly)
+    sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != _CWD]
+
+
+def _chdir_only(self: object) -> None:
+    os.chdir(self.cfg.chdir)  # type: ignore[attr-defined]  # gunicorn's, without the sys.path insert
+
+
+try:
+    from gunicorn.app.base import Application
+
+    Application.chdir = _chdir_only  # type: ignore[method-assign]
+except (ImportError, AttributeError):  # not under gunicorn's own runner
+    pass
+
+import ctypes  # noqa: E402 - after the path is safe
+import json  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+from typing import Any  # noqa: E402
 
 PR_SET_PDEATHSIG = 1
 

@@ -80,7 +80,38 @@ def child_env(settings: Settings, redis_url: str, tokens: dict[str, str]) -> dic
     env["BATCHGATE_RECOVERY"] = settings.recovery
     env["BATCHGATE_DATA_DIR"] = str(data_dir)
     env[INSTANCE_ENV] = secrets.token_hex(8)
+    env.update(safe_path_env(env))
     return env
+
+
+def python(*args: str) -> list[str]:
+    """A command line for this interpreter that never imports from the directory it starts in.
+
+    ``python -m X`` puts the current directory first on ``sys.path``: a ``numbers.py`` (or any module
+    name the standard library or batchgate imports) in the folder ``batchgate up`` or ``serve`` was
+    started from would run inside every child, which reads every credential. ``-P`` (3.11) leaves that
+    entry out and nothing else. ``-I`` was not chosen: it also drops ``PYTHONPATH`` and the user's
+    site-packages (``pip install --user``), which an operator may rely on to find batchgate at all.
+    """
+    return [sys.executable, "-P", *args]
+
+
+def safe_path_env(env: dict[str, str]) -> dict[str, str]:
+    """``PYTHONSAFEPATH=1`` (what ``-P`` sets, inherited by anything a child starts with Python), and
+    batchgate's own source folder on ``PYTHONPATH`` when this process found it through the current
+    directory only (a checkout run in place, not installed): that folder, named, not whatever the
+    current directory is."""
+    out = {"PYTHONSAFEPATH": "1"}
+    root = str(Path(__file__).resolve().parents[2])
+    if not sys.flags.safe_path and root == os.path.realpath(os.getcwd()):
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        out["PYTHONPATH"] = os.pathsep.join([*paths, root]) if root not in paths else env["PYTHONPATH"]
+    return out
+
+
+#: gateway/runtime/gunicorn_conf.py, loaded by path (``--config <file>``): a ``python:`` module name
+#: would be looked up through gunicorn's sys.path, which then starts with the current directory.
+GUNICORN_CONF = str(Path(__file__).with_name("gunicorn_conf.py"))
 
 
 def reserve_port(host: str, port: int) -> list[socket.socket]:
@@ -105,6 +136,41 @@ def reserve_port(host: str, port: int) -> list[socket.socket]:
 
 
 PR_SET_PDEATHSIG = 1
+_forking_pid = [0]
+
+
+def _prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def tie_forks_to_this_process() -> bool:
+    """Linux: every child this process forks from now on (RQ's scheduler, multiprocessing, a
+    ``preexec_fn`` child) gets SIGTERM from the kernel when this process dies, even by SIGKILL; a child
+    whose parent died before it could ask exits at once. False elsewhere (nothing is tied there: a
+    process manager that stops the whole group or cgroup is needed).
+
+    The kernel sends the signal when the *thread* that forked exits: batchgate forks only from threads
+    that live as long as the process (the worker's first poll thread, the main thread).
+    """
+    prctl = _prctl()
+    if prctl is None:
+        return False
+
+    def before() -> None:
+        _forking_pid[0] = os.getpid()
+
+    def in_child() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != _forking_pid[0]:  # the parent died before prctl: nobody would stop this child
+            os._exit(1)
+
+    os.register_at_fork(before=before, after_in_child=in_child)
+    return True
 
 
 def die_with_parent() -> Callable[[], None] | None:
@@ -114,11 +180,8 @@ def die_with_parent() -> Callable[[], None] | None:
     Only for a single-threaded parent (``batchgate up``): the signal follows the forking thread.
     None elsewhere.
     """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the forked child
-    except (OSError, AttributeError):
+    prctl = _prctl()  # looked up here, not in the forked child
+    if prctl is None:
         return None
     parent = os.getpid()
 
@@ -138,7 +201,7 @@ def _spawn(args: list[str], env: dict[str, str], tied: bool) -> subprocess.Popen
 def start_api(env: dict[str, str], host: str, port: int, workers: int = 2,
               tied: bool = False) -> subprocess.Popen:
     """gunicorn serving the app factory, as the Dockerfile does (``tied``: see die_with_parent)."""
-    args = [sys.executable, "-m", "gunicorn", "--config", "python:gateway.runtime.gunicorn_conf",
+    args = [*python("-m", "gunicorn"), "--config", GUNICORN_CONF,
             "--bind", f"{host}:{port}", "--workers", str(workers),
             "--threads", "4", "--log-level", "warning", "--graceful-timeout", "5",
             "gateway.app:create_app()"]
@@ -146,7 +209,7 @@ def start_api(env: dict[str, str], host: str, port: int, workers: int = 2,
 
 
 def start_supervisor(env: dict[str, str], tied: bool = False) -> subprocess.Popen:
-    return _spawn([sys.executable, "-m", "gateway.runtime.cli", "supervisor"], env, tied)
+    return _spawn(python("-m", "gateway.runtime.cli", "supervisor"), env, tied)
 
 
 #: Stage calls the worker ``batchgate up`` starts runs at once (they wait on platforms: I/O bound).
@@ -157,7 +220,7 @@ def start_worker(env: dict[str, str], tied: bool = False, concurrency: int | Non
     """``batchgate worker``: RQ worker threads for push-mode stages (``--concurrency`` if given, else
     BATCHGATE_WORKER_CONCURRENCY from ``env``)."""
     extra = ["--concurrency", str(concurrency)] if concurrency else []
-    return _spawn([sys.executable, "-m", "gateway.runtime.cli", "worker", *extra], env, tied)
+    return _spawn(python("-m", "gateway.runtime.cli", "worker", *extra), env, tied)
 
 
 def wait_healthy(base_url: str, timeout_s: float = 20.0, *, instance_id: str | None = None,
