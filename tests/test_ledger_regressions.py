@@ -5,43 +5,43 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.errors import Conflict
 from gateway.push.supervisor import Supervisor
 from tests.conftest import drain
 
 
-def test_retry_failed_does_not_reopen_a_succeeded_job(ledger, jobs, make_job):
-    """A job that succeeded with a failed batch its budget tolerated is final: retry-failed is refused
-    like resume (a replan with a cursor is how part of it runs again), and changes nothing.
+def test_retry_failed_reopens_only_the_failed_batches_of_a_succeeded_job(ledger, jobs, make_job):
+    """A job that succeeded with a failed batch its budget tolerated: that batch's items were never
+    stored. Issue 15 asked for retry-failed to run them (it was refused, so they were lost for good):
+    it re-opens the failed batch only, and the job succeeds again with nothing failed.
 
-    Found: reopen.lua re-opened the failed batch and put the succeeded job back to running."""
+    Found earlier: reopen.lua re-opened the failed batch without being asked; now it is asked."""
     job_id = make_job(items=6, max_items=3, stages=("only",), tolerated_failure_percentage=50)
     first = ledger.lease(job_id)
     ledger.fail(job_id, first.seq, first.lease_token, "bad row", retryable=False)
     drain(ledger, job_id)
     view = jobs.view("acme", job_id)
-    assert (view["status"], view["batches"]["failed"]) == ("succeeded", 1)
+    assert (view["status"], view["batches"]["failed"], view["retryable_failed"]) == ("succeeded", 1, 1)
     k = ledger.keys.job(job_id)
-    before = (ledger.r.hgetall(k.job), ledger.r.hgetall(k.batch(0)), ledger.r.zrange(k.failed, 0, -1))
+    committed = ledger.r.hgetall(k.batch(1))
 
-    with pytest.raises(Conflict, match="succeeded"):
-        ledger.reopen(job_id, "tenant:acme", only_failed=True)
-
-    assert (ledger.r.hgetall(k.job), ledger.r.hgetall(k.batch(0)), ledger.r.zrange(k.failed, 0, -1)) == before
-    assert ledger.lease(job_id) is None
+    assert ledger.reopen(job_id, "tenant:acme", only_failed=True) == 1
+    assert ledger.r.hgetall(k.batch(1)) == committed  # the committed batch is untouched
+    again = drain(ledger, job_id)
+    assert [(lease.seq, lease.attempt) for lease in again] == [(first.seq, 1)]
+    view = jobs.view("acme", job_id)
+    assert (view["status"], view["batches"]["failed"], view["items_done"]) == ("succeeded", 0, 6)
 
 
 def test_retry_failed_on_a_clean_succeeded_job_leaves_its_record_alone(ledger, make_job):
     """With nothing failed, retry-failed on a succeeded job used to answer 'ok, 0' but still rewrite the
-    job record (updated_ms): a final job changed. It is refused now, and nothing is written."""
+    job record (updated_ms): a final job changed. It answers 0 now, and nothing is written."""
     job_id = make_job(items=3, max_items=3, stages=("only",))
     drain(ledger, job_id)
     k = ledger.keys.job(job_id)
-    before = ledger.r.hgetall(k.job)
-    assert before["status"] == "succeeded"
-    with pytest.raises(Conflict):
-        ledger.reopen(job_id, "tenant:acme", only_failed=True)
-    assert ledger.r.hgetall(k.job) == before
+    before = ledger.r.hgetall(k.job), ledger.r.xlen(k.audit)
+    assert before[0]["status"] == "succeeded"
+    assert ledger.reopen(job_id, "tenant:acme", only_failed=True) == 0
+    assert (ledger.r.hgetall(k.job), ledger.r.xlen(k.audit)) == before
 
 
 def test_cancelling_a_held_job_drops_its_held_reason(ledger, jobs, make_job):

@@ -13,10 +13,12 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from pydantic import SecretStr, ValidationError
@@ -25,6 +27,7 @@ from gateway.ledger.flows import parse_flow
 from gateway.ledger.ledger import Ledger
 from gateway.net.outbound import RefusedURL, guarded_session
 from gateway.push.dispatch import Dispatcher
+from gateway.runtime import procs
 from gateway.security import sign
 from gateway.settings import Settings
 from tests.conftest import TOKEN
@@ -236,10 +239,13 @@ def gunicorn_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "--config",
-                             "python:gateway.runtime.gunicorn_conf", "--bind", f"127.0.0.1:{port}",
+    # batchgate's gunicorn config takes the working directory off sys.path (children import nothing
+    # from where they were started); the test app lives in this checkout, so name it explicitly
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "--config", procs.GUNICORN_CONF,
+                             "--bind", f"127.0.0.1:{port}",
                              "--workers", "1", "--log-level", "critical", GUNICORN_APP],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
