@@ -1,4 +1,4 @@
-"""gunicorn hooks for the batchgate API (``batchgate serve`` and ``batchgate up``: ``-c python:<this>``).
+"""gunicorn hooks for the batchgate API (``batchgate serve`` and ``batchgate up``: ``--config <path of this file>``).
 
 A gunicorn worker notices that its master died only on its next loop turn (its parent pid changed), and
 then keeps the listening socket open while it finishes its connections, up to ``graceful_timeout`` (30 s
