@@ -33,7 +33,7 @@ import itertools
 import json
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -555,3 +555,60 @@ class SlowSyncPlatform:
 
     def close(self) -> None:
         self.server.shutdown()
+
+
+class OnceCallbackPlatform:
+    """A callback-mode platform that, like most flows, posts each answer once and never retries.
+
+    It accepts a call (202), works ``min_s``-``max_s`` seconds, then POSTs ``{"status": "succeeded"}``
+    to the envelope's ``callback_url`` on a new connection. ``runs`` counts the paid runs per
+    idempotency key; ``posted`` counts what each post met (an HTTP status, or the exception's name).
+    """
+
+    def __init__(self, min_s: float = 0.1, max_s: float = 0.8, seed: int = 7) -> None:
+        import random
+
+        import requests
+
+        self._post = requests.post
+        self._errors = requests.RequestException
+        self.min_s, self.span_s = min_s, max_s - min_s
+        self.runs: Counter = Counter()
+        self.posted: Counter = Counter()
+        self.lock = threading.Lock()
+        self.rng = random.Random(seed)
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                env = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with outer.lock:
+                    outer.runs[env["idempotency_key"]] += 1
+                    delay = outer.min_s + outer.rng.random() * outer.span_s
+                respond(self, 202, {"accepted": True})
+                threading.Timer(delay, outer.post_back, args=(env,)).start()
+
+        self.server = serve_on(Handler, 0)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+
+    def post_back(self, env: dict) -> None:
+        try:
+            outcome: Any = self._post(env["callback_url"], json={"status": "succeeded",
+                                                                 "output": {"seq": env["seq"]}},
+                                      timeout=30).status_code
+        except self._errors as exc:
+            outcome = type(exc).__name__
+        with self.lock:
+            self.posted[outcome] += 1
+
+    def reruns(self) -> dict[str, int]:
+        """Paid runs beyond the first, per idempotency key."""
+        with self.lock:
+            return {key: n - 1 for key, n in self.runs.items() if n > 1}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections import Counter
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -29,7 +25,7 @@ import requests
 
 from gateway.runtime import procs
 from tests.conftest import TOKEN
-from tests.platforms import respond, serve_on
+from tests.platforms import OnceCallbackPlatform
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"),
                                                    reason="socket activation as on Linux")]
@@ -39,45 +35,6 @@ ACTIVATE = ("import os, sys; os.dup2(int(sys.argv[1]), 3); "
             "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS='1'); "
             "os.execv(sys.executable, [sys.executable, '-P', '-m', 'gateway.runtime.cli', 'serve', "
             "'--workers', '2'])")
-
-
-class OncePlatform:
-    """Accepts each call (202) and posts its answer to ``callback_url`` once, 0.2-1 s later."""
-
-    def __init__(self) -> None:
-        self.runs: Counter = Counter()
-        self.posted: Counter = Counter()
-        self.lock = threading.Lock()
-        self.rng = random.Random(3)
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                env = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with outer.lock:
-                    outer.runs[env["idempotency_key"]] += 1
-                    delay = 0.2 + outer.rng.random() * 0.8
-                respond(self, 202, {"accepted": True})
-                threading.Timer(delay, outer.post_back, args=(env,)).start()
-
-        self.server = serve_on(Handler, 0)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
-
-    def post_back(self, env: dict) -> None:
-        try:
-            outcome = requests.post(env["callback_url"], json={"status": "succeeded", "output": {}},
-                                    timeout=30).status_code
-        except requests.RequestException as exc:
-            outcome = type(exc).__name__
-        with self.lock:
-            self.posted[outcome] += 1
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def activated_serve(listener: socket.socket, env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -110,7 +67,7 @@ def test_restarts_of_a_socket_activated_api_refuse_no_callback(redis_server, tmp
                BATCHGATE_SIGNING_KEY="k" * 32, BATCHGATE_OUTBOUND_ALLOW='["127.0.0.1/32"]',
                BATCHGATE_CALLBACK_GRACE="2", BATCHGATE_SUPERVISOR_INTERVAL="0.2",
                BATCHGATE_LOG_LEVEL="WARNING", BATCHGATE_HOST="127.0.0.1")
-    platform = OncePlatform()
+    platform = OnceCallbackPlatform(0.2, 1.0, seed=3)
     log = tmp_path / "serve.log"
     children: list[subprocess.Popen] = []
     api = requests.Session()
@@ -157,4 +114,4 @@ def test_restarts_of_a_socket_activated_api_refuse_no_callback(redis_server, tmp
     assert view["status"] == "succeeded" and view["batches"]["completed"] == BATCHES, view
     assert set(platform.posted) == {200}, platform.posted  # not one refused, reset or lost
     assert len(platform.runs) == BATCHES
-    assert not {k: n for k, n in platform.runs.items() if n > 1}, "paid re-runs"
+    assert not platform.reruns(), f"paid re-runs: {platform.reruns()}"

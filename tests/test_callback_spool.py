@@ -7,66 +7,19 @@ callback exactly once, never retrying, and counts the runs it is paid for per id
 
 from __future__ import annotations
 
-import json
-import random
-import threading
 import time
-from collections import Counter
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler
 
 import pytest
-import requests
 from pydantic import SecretStr
 
 from gateway.api.spool import CallbackSpool
 from gateway.errors import StaleLease
 from gateway.ledger.embedded import EmbeddedRedis, client_for
-from tests.platforms import respond, serve_on
+from tests.platforms import OnceCallbackPlatform
 from tests.test_worker_concurrency import stack
 
 BATCHES = 200
-
-
-class OnceCallbackPlatform:
-    """Accepts a call (202), works 0.1-0.8 s, then posts the answer to ``callback_url`` once."""
-
-    def __init__(self) -> None:
-        self.runs: Counter = Counter()  # paid runs per idempotency key
-        self.callback_status: Counter = Counter()
-        self.lock = threading.Lock()
-        self.rng = random.Random(7)
-        self.session = requests.Session()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                env = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with outer.lock:
-                    outer.runs[env["idempotency_key"]] += 1
-                    delay = 0.1 + outer.rng.random() * 0.7
-                respond(self, 202, {"accepted": True})
-                threading.Timer(delay, outer.post_back, args=(env,)).start()
-
-        self.server = serve_on(Handler, 0)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
-
-    def post_back(self, env: dict) -> None:
-        try:
-            status = requests.post(env["callback_url"], json={"status": "succeeded",
-                                                              "output": {"seq": env["seq"]}},
-                                   timeout=10).status_code
-        except requests.RequestException as exc:
-            status = type(exc).__name__
-        with self.lock:
-            self.callback_status[status] += 1
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.mark.slow
@@ -75,7 +28,7 @@ def test_a_5_s_redis_outage_during_200_callbacks_costs_no_paid_rerun(settings, t
     url = server.start()
     client = client_for(url)
     own = settings.model_copy(update={"redis_url": SecretStr(url), "callback_grace": timedelta(seconds=2)})
-    platform = OnceCallbackPlatform()
+    platform = OnceCallbackPlatform(0.1, 0.8, seed=7)
     flow = {"id": "cb", "version": "1", "batching": {"max_items": 1}, "concurrency": 16,
             "source": {"type": "sequence", "count": BATCHES},
             "stages": [{"name": "score", "lease": 10, "idempotent": False,
@@ -102,11 +55,10 @@ def test_a_5_s_redis_outage_during_200_callbacks_costs_no_paid_rerun(settings, t
         platform.close()
         server.stop()
     assert done["status"] == "succeeded" and done["batches"]["completed"] == BATCHES, done
-    assert platform.callback_status[202] > 0, platform.callback_status  # the outage met callbacks
-    assert set(platform.callback_status) <= {200, 202}, platform.callback_status
+    assert platform.posted[202] > 0, platform.posted  # the outage met callbacks
+    assert set(platform.posted) <= {200, 202}, platform.posted
     assert len(platform.runs) == BATCHES
-    reruns = {key: n - 1 for key, n in platform.runs.items() if n > 1}
-    assert not reruns, f"paid re-runs: {reruns}"
+    assert not platform.reruns(), f"paid re-runs: {platform.reruns()}"
     # no attempt spent but the one that ran; a call that could not begin while Redis was down is
     # released without spending one ("no attempt spent"), as in tests/test_chaos.py
     spent = {seq: int(r["attempt"]) - int(r.get("unspent") or 0) for seq, r in enumerate(records)}

@@ -173,8 +173,9 @@ class JobService:
                     out.append(view)
                     if len(out) >= limit:
                         break
-            if gone:
+            if gone:  # and the quota's active set (quotas.py): they no longer count
                 self.ledger.r.zrem(index, *gone)
+                self.ledger.r.srem(self.ledger.keys.quota_active(tenant), *gone)
             start += len(ids) - len(gone)
             previous = set(ids)
         return out

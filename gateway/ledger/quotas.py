@@ -12,7 +12,8 @@ Active jobs are counted from the jobs' own status, not by a counter every status
 keep right. The tenant's active set holds the ids of jobs that *may* be active: quota.lua adds the id
 when it admits a creation (checking the set's size in the same script), and the resume routes add it
 again (``track``). Only a pass that reads each member's status removes ids: jobs succeeded, cancelled,
-or gone (retention expired them) past a grace for creations still in progress. So the set never
+or gone (retention expired them: no record, but in the tenant's job index, which is written with the
+record), or without a record past a grace for creations still in progress. So the set never
 misses an active job, and whatever ends a job (its last batch, cancel, expiry, deletion) needs no hook.
 The pass runs when the set is full, at most once a second per tenant, before a creation is refused.
 """
@@ -108,8 +109,14 @@ class Quotas:
         if not self.r.set(self.keys.quota_prune(tenant), "1", nx=True, px=every_ms):
             return 0
         key = self.keys.quota_active(tenant)
-        gone = [job_id for job_id, status in self._statuses(list(self.r.smembers(key))).items()
-                if status in FINISHED or (status is None and _older_than(job_id, CREATION_GRACE))]
+        statuses = self._statuses(list(self.r.smembers(key)))
+        # a job without a record that is in the tenant's index was written (job and index are one
+        # MULTI) and has expired since: gone at once, however young; one never written is a creation
+        # in progress until CREATION_GRACE has passed (or one that died)
+        indexed = self._indexed(tenant, [job_id for job_id, status in statuses.items() if status is None])
+        gone = [job_id for job_id, status in statuses.items()
+                if status in FINISHED or (status is None and (
+                    job_id in indexed or _older_than(job_id, CREATION_GRACE)))]
         if not gone:
             return 0
         self.r.srem(key, *gone)
@@ -131,6 +138,12 @@ class Quotas:
         for job_id in job_ids:
             pipe.hget(self.keys.job(job_id).job, "status")
         return dict(zip(job_ids, pipe.execute(), strict=True))
+
+    def _indexed(self, tenant: str, job_ids: list[str]) -> set[str]:
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.zscore(self.keys.jobs(tenant), job_id)
+        return {job_id for job_id, score in zip(job_ids, pipe.execute(), strict=True) if score is not None}
 
     @staticmethod
     def _rate_refusal(tenant: str, quota: str, limit: int, unit: str, wait_ms: int) -> QuotaExceeded:
