@@ -112,6 +112,13 @@ def test_a_genuine_callback_token_missing_fields_is_a_401(api, settings, claims)
     assert "lacks a valid" in assert_problem(resp, 401)["detail"]
 
 
+def test_a_genuine_callback_token_naming_a_stage_the_job_lacks_is_a_404(api, settings, make_job):
+    job_id = make_job(items=2, max_items=2, stages=("only",))
+    token = sign({"j": job_id, "s": 0, "st": 7, "a": 1, "t": "x"}, settings.signing_secret(), "callback", 60)
+    resp = api.as_token(None).post(f"/v1/callbacks/{token}", json={"status": "succeeded", "output": {}})
+    assert "no stage 7" in assert_problem(resp, 404)["detail"]
+
+
 def test_a_genuine_blob_token_missing_fields_is_a_401(api, settings):
     token = sign({"s": 0}, settings.signing_secret(), "blob", 60)
     assert_problem(api.as_token(None).get(f"/v1/blobs/{token}"), 401)

@@ -10,7 +10,7 @@ from flask import Blueprint, Response, jsonify
 from connectors.base import Answer
 from gateway.api.common import Services, json_body, request_services
 from gateway.api.spool import REDIS_DOWN
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import InvalidRequest, NotFound, shown
 from gateway.push.dispatch import commit_answer
 from gateway.security import verify
 
@@ -46,6 +46,8 @@ def commit_callback(services: Services, token: str, body: Any) -> dict[str, Any]
     claim = verify(token, services.settings.signing_secret(), "callback")
     answer = _parse(body)
     spec = services.ledger.spec(claim["j"])
+    if not 0 <= claim["st"] < spec.stage_count:  # only a holder of the signing key could make one
+        raise NotFound(f"job {shown(spec.job_id)} has no stage {claim['st']}")
     stage = spec.flow.stages[claim["st"]]
     result = commit_answer(services.ledger, spec, stage, claim["s"], claim["t"], answer)
     services.ledger.note(spec.job_id, "callback_received", seq=claim["s"], stage=stage.name,
