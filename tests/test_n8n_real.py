@@ -378,7 +378,12 @@ def test_the_example_job_survives_a_sigkill_of_n8n(n8n, settings, redis_client, 
     if N8N_API_KEY:
         runs = score_runs(n8n, since)
         ours = {k: v for k, v in runs.items() if k.startswith(job_id)}
-        assert len(ours) == -(-len(resumes) // 5)
+        batches = -(-len(resumes) // 5)
+        # n8n 2.x rebuilds an execution killed before it saved its data from its event log, with
+        # placeholder items ({"isArtificialRecoveredEventItem": true}) and no request, and marks it
+        # crashed: such an execution names no key (seen once: its callback had already been committed)
+        unread = [run for run in runs.get("None", []) if run[0] == "crashed"]
+        assert batches - len(unread) <= len(ours) <= batches, (len(ours), unread)
         for key, key_runs in ours.items():
             fresh = [r for r in key_runs if r[1]]
             # scored afresh at most once, unless an earlier scoring was cut off by the kill
