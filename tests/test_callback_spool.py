@@ -162,3 +162,30 @@ def test_a_spooled_callback_answers_202_and_commits_when_redis_returns(settings,
     finally:
         stop()
         server.stop()
+
+
+def test_a_callback_the_spool_cannot_keep_gets_the_503_the_platform_can_retry(settings, tmp_path):
+    """A full or broken disk: nothing is kept, so the platform must hear that nothing was taken."""
+    from gateway.api.app import create_app
+    from gateway.security import sign
+    from tests.conftest import TOKEN
+    from tests.http import ApiClient, serve_app
+
+    server = EmbeddedRedis(tmp_path / "redis")
+    url = server.start()
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "callback-spool").write_text("not a folder")  # every write into it fails
+    own = settings.model_copy(update={"redis_url": SecretStr(url), "data_dir": data})
+    holder = {}
+    base, stop = serve_app(lambda env, start: holder["app"](env, start))
+    holder["app"] = create_app(own.model_copy(update={"public_url": base}), client_for(url))
+    try:
+        server.kill()
+        token = sign({"j": "job_x", "s": 0, "st": 0, "a": 1, "t": "tok"}, own.signing_secret(), "callback", 60)
+        resp = ApiClient(base, TOKEN).session.post(f"{base}/v1/callbacks/{token}",
+                                                   json={"status": "succeeded", "output": {}})
+        assert resp.status_code == 503 and resp.headers["Retry-After"], resp.text
+    finally:
+        stop()
+        server.stop()

@@ -34,7 +34,12 @@ def callback(token: str):
     except REDIS_DOWN as exc:
         if services.spool is None:
             raise
-        spool_id = services.spool.keep(token, body)
+        try:
+            spool_id = services.spool.keep(token, body)
+        except OSError as disk:  # nowhere to keep it: the platform must retry (503, as before the spool)
+            log.error("callback spool refused a write (%s): callback for job_id=%s seq=%s not kept",
+                      disk.strerror or type(disk).__name__, claim["j"], claim["s"])
+            raise exc from None
         log.warning("ledger redis unavailable (%s): callback for job_id=%s seq=%s attempt=%s spooled as %s",
                     type(exc).__name__, claim["j"], claim["s"], claim["a"], spool_id)
         return jsonify({"job_id": claim["j"], "seq": claim["s"], "attempt": claim["a"], "accepted": True,
