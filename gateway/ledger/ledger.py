@@ -116,12 +116,19 @@ class Ledger(ControlOps):
     # -- records ---------------------------------------------------------------------------
 
     def spec(self, job_id: str) -> JobSpec:
-        """The job's frozen spec (cached, LRU-bounded: it never changes), or NotFound / CorruptRecord."""
+        """The job's spec (cached, LRU-bounded), or NotFound / CorruptRecord.
+
+        A spec changes only by a flow migration (migrate.py), which raises the job hash's ``spec_gen``
+        in the same script: a cached spec is used while its generation is the job's (one HGET), else
+        read again, so no process runs an old flow version after a migration.
+        """
         with self._specs_lock:
             cached = self._specs.get(job_id)
-            if cached is not None:
-                self._specs.move_to_end(job_id)
-                return cached
+        if cached is not None and self._spec_gen(job_id) == cached.spec_gen:
+            with self._specs_lock:
+                if job_id in self._specs:
+                    self._specs.move_to_end(job_id)
+            return cached
         fields = self.r.hgetall(self.keys.job(job_id).spec)
         if not fields:
             raise NotFound(f"job {job_id} not found")
@@ -134,6 +141,10 @@ class Ledger(ControlOps):
             while len(self._specs) > self.spec_cache:
                 self._specs.popitem(last=False)
         return spec
+
+    def _spec_gen(self, job_id: str) -> int:
+        """The job hash's spec generation (0 until a migration; a missing job reads 0 too)."""
+        return int(self.r.hget(self.keys.job(job_id).job, "spec_gen") or 0)
 
     def forget(self, job_id: str) -> None:
         """Drop the job's cached spec (the supervisor, once the job is finished and retired)."""
