@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.api.common import idempotent, json_body, query_int, request_services
 from gateway.errors import InvalidRequest
 from gateway.ledger.jobs import JobRequest, MigrateRequest, ResumeRequest, new_job_id
+from gateway.ledger.migrate import settle
 from gateway.ledger.quotas import Quotas
 from gateway.ledger.records import typed_entry
 from gateway.validation import parse
@@ -153,6 +154,7 @@ def retry_failed(job_id: str):
     services = request_services()
     spec = services.jobs.owned_spec(g.tenant, job_id)
     services.jobs.check_flow_version(spec)
+    settle(services.ledger, services.ledger.job_fields(job_id))  # after a migration: see migrate.py
     reopened = services.ledger.reopen(job_id, g.actor, only_failed=True)
     request_quotas().track(g.tenant, job_id)
     if reopened and services.dispatcher is not None and any(s.target for s in spec.flow.stages):

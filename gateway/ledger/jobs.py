@@ -14,7 +14,7 @@ from gateway.errors import CorruptRecord, FlowVersionMismatch, InvalidRequest, N
 from gateway.ledger.flows import NAME, FlowRegistry, FlowSpec, validate_source
 from gateway.ledger.jobspec import JobSpec, initial_cursor, open_source, probe_source, total_hint
 from gateway.ledger.ledger import ABSENT, Ledger
-from gateway.ledger.migrate import migrate
+from gateway.ledger.migrate import migrate, settle
 from gateway.ledger.planner import check_batch_bound
 from gateway.ledger.progress import progress_of
 from gateway.ledger.records import loads_or_none
@@ -231,6 +231,7 @@ class JobService:
         job = self.ledger.job_fields(job_id)
         if job.get("corrupt"):
             raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
+        settle(self.ledger, job)  # a job migrated a moment ago: every process sees its new spec first
         result: dict[str, Any] = {"reopened": 0}
         if req.cursor is not ABSENT:
             self._check_cursor(spec, req.cursor)

@@ -5,8 +5,11 @@ is paused or failed, nothing is leased, and the new version keeps the names (at 
 every stage a batch is in or has committed. Stages may be appended; retry, lease, target and the like may
 change. Batches, cursors and counters stay as they are, and idempotency keys are made from the stage
 name and the item range (JobSpec.stage_key), so a committed stage is never run again and a re-opened one
-keeps the key its platform may have seen. The job's ``spec_gen`` rises with the spec, which is how
-every process learns that its cached spec is old (Ledger.spec).
+keeps the key its platform may have seen.
+
+The job's ``spec_gen`` rises with the spec, which is how every process learns that its cached spec is
+old: Ledger.spec trusts a cached spec for SPEC_RECHECK_S after it last saw it current, and a migrated job
+resumes only SPEC_SETTLE_S after its migration (``settle``), so nothing runs on the old version again.
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ from typing import Any
 from gateway.errors import Conflict, CorruptRecord, JobCancelled, NotFound, RetryableError
 from gateway.ledger.flows import FlowSpec
 from gateway.ledger.jobspec import JobSpec
-from gateway.ledger.ledger import Ledger
+from gateway.ledger.ledger import SPEC_RECHECK_S, Ledger
 from gateway.ledger.records import seal
 from gateway.ledger.scripts import source
 
 log = logging.getLogger(__name__)
 
 RACE_RETRIES = 50
+#: how long after a migration the job may run again: every process's cached spec is checked by then
+SPEC_SETTLE_S = SPEC_RECHECK_S + 0.5
 
 
 def kept_prefix(old: FlowSpec, new: FlowSpec) -> int:
@@ -101,3 +106,15 @@ def _raise_for(res: list, spec: JobSpec, flow: FlowSpec) -> None:
         raise Conflict(f"flow {flow.id} version {flow.version} does not keep the stages batches of job "
                        f"{job_id} are in or have committed: {', '.join(names)} (stage names must stay, "
                        "in order; new stages may only be appended)", incompatible=names)
+
+
+def settle(ledger: Ledger, job: dict[str, str]) -> None:
+    """Wait until SPEC_SETTLE_S have passed since the job's last migration (Redis's clock), so every
+    process has seen the new spec before a resume or retry-failed lets batches run again."""
+    migrated_ms = int(job.get("migrated_ms") or 0)
+    if not migrated_ms:
+        return
+    seconds, micros = ledger.r.time()
+    left_s = migrated_ms / 1000 + SPEC_SETTLE_S - (seconds + micros / 1e6)
+    if left_s > 0:
+        time.sleep(left_s)

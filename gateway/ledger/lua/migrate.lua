@@ -12,8 +12,9 @@
 --       | {'incompatible', stages in use} | {'raced'} | {'corrupt', 'job' | 'spec'} | {'missing'}
 -- Invariant: a job's spec changes only while nothing is leased and the job is paused or failed, only
 -- to a version keeping the names of every stage a batch is in or has committed (stages 0 .. used-1,
--- all S once any batch committed), and the job's spec_gen rises with it, so every process's cached
--- spec is seen to be old (Ledger.spec). Batches, cursors and counters are untouched.
+-- all S once any batch committed), and the job's spec_gen rises with it (migrated_ms says when), so
+-- every process's cached spec is seen to be old (Ledger.spec). Batches, cursors and counters are
+-- untouched.
 local job = load(KEYS[1])
 if job == false then return {'corrupt', 'job'} end
 if job == nil then return {'missing'} end
@@ -44,7 +45,8 @@ local fields = {}
 for i = 13, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], unpack(fields))
-save(KEYS[1], job, {spec_gen = int(gen), updated_ms = int(now_ms())})
+local now = now_ms()
+save(KEYS[1], job, {spec_gen = int(gen), migrated_ms = int(now), updated_ms = int(now)})
 local entry = {'event', 'flow_migrated', 'from', ARGV[9], 'to', ARGV[10], 'from_hash', ARGV[11],
   'to_hash', ARGV[12], 'actor', ARGV[7], 'reason', ARGV[8]}
 log(KEYS[4], ARGV[6], entry)
