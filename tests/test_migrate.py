@@ -183,3 +183,20 @@ def test_a_migration_racing_a_batch_commit_never_leaves_a_half_migrated_job(push
         assert "corrupt" not in job
         ledger.reopen(job_id, "test")  # resume
     assert outcomes["migrated"] >= 1  # some rounds raced, some migrated (checked above)
+
+
+def test_cli_migrates_a_paused_job_and_reports_a_refusal(api, registry, monkeypatch, capsys):
+    from gateway.runtime.cli import main
+    from tests.conftest import TOKEN
+
+    monkeypatch.setenv("BATCHGATE_TOKEN", TOKEN)
+    base = {"id": "cli", "batching": {"max_items": 5}, "source": {"type": "sequence", "count": 10}}
+    registry.register("acme", parse_flow({**base, "version": "1", "stages": [{"name": "score"}]}))
+    registry.register("acme", parse_flow({**base, "version": "2",
+                                          "stages": [{"name": "score", "lease": 120}]}))
+    job_id = api.post("/v1/jobs", json={"flow_id": "cli", "flow_version": "1"}).json()["job_id"]
+    argv = ["jobs", "migrate", "--url", api.base, job_id, "--flow-version", "2", "--reason", "longer lease"]
+    assert main(argv) == 1 and "409" in capsys.readouterr().err  # running: pause first
+    api.post(f"/v1/jobs/{job_id}/pause")
+    assert main(argv) == 0 and '"spec_gen": 1' in capsys.readouterr().out
+    assert api.get(f"/v1/jobs/{job_id}").json()["flow"]["version"] == "2"
