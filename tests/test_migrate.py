@@ -15,10 +15,12 @@ from collections import Counter
 import pytest
 
 import gateway.push.dispatch
+from gateway.errors import Conflict
 from gateway.ledger.flows import parse_flow
 from gateway.ledger.ledger import Ledger
 from gateway.ledger.migrate import migrate
 from gateway.push.dispatch import Dispatcher
+from tests.conftest import drain
 from tests.platforms import FakePlatform, Recorded, Reply, contract, envelope_items
 
 RETRY = {"initial_interval": 0.5, "maximum_interval": 0.5, "maximum_attempts": 50}
@@ -137,52 +139,78 @@ def test_a_version_that_drops_or_renames_a_stage_in_use_is_refused_naming_it(
     assert resp.status_code == 200 and resp.json()["stages"] == ["score", "store", "notify"]
 
 
-def test_a_migration_racing_a_batch_commit_never_leaves_a_half_migrated_job(push, registry, jobs):
-    """Leases finish (commit) while migrations run: each migration either sees nothing leased and moves
-    the whole job (spec, spec_gen, audit entry) or changes nothing; never one without the other."""
+def test_a_migration_racing_a_batch_commit_never_leaves_a_half_migrated_job(
+        push, registry, jobs, redis_client, settings):
+    """Another process (its own Ledger and spec cache) commits leased batches while migrations run: a
+    migration either finds nothing leased and moves the whole job (spec, spec_gen, audit entry) or
+    changes nothing. Had it moved the job under a lease, that process would commit the batch with the
+    old version's stage count and the appended stage would never run for it."""
     ledger, _ = push
+    other = Ledger(redis_client, settings)
     v1 = parse_flow({"id": "race", "version": "1", "batching": {"max_items": 1}, "concurrency": 8,
-                     "source": {"type": "sequence", "count": 400},
+                     "source": {"type": "sequence", "count": 200},
                      "stages": [{"name": "score"}, {"name": "store"}]})
     v2 = parse_flow({**v1.model_dump(mode="json"), "version": "2",
                      "stages": [{"name": "score"}, {"name": "store"}, {"name": "notify"}]})
-    registry.register("acme", v1)
-    registry.register("acme", v2)
-    from gateway.ledger.jobs import JobRequest
+    v3 = parse_flow({**v2.model_dump(mode="json"), "version": "3",
+                     "stages": [{"name": "score"}, {"name": "store"}, {"name": "notify", "lease": 120}]})
+    for version in (v1, v2, v3):
+        registry.register("acme", version)
+    nxt = {"1": v2, "2": v3, "3": v2}  # 1 -> 2 appends a stage; then 2 <-> 3 (a new lease length)
+    from gateway.ledger.jobs import JobRequest, ResumeRequest
     job_id = jobs.create("acme", JobRequest(flow_id="race", flow_version="1"))["job_id"]
     k = ledger.keys.job(job_id)
-    outcomes = Counter()
-    for round_ in range(20):
-        leases = [lease for _ in range(8) if (lease := ledger.lease(job_id)) is not None]
+    outcomes: Counter = Counter()
+    for lease in [other.lease(job_id) for _ in range(8)]:  # the next leases are at v1's last stage
+        other.complete(job_id, lease.seq, lease.lease_token, {"ok": 1})
+    for round_ in range(12):
+        leases = [lease for _ in range(8) if (lease := other.lease(job_id)) is not None]
         ledger.pause(job_id, "test")
+        if round_ == 0:  # leases out, no commit yet: always refused
+            with pytest.raises(Conflict) as refused:
+                migrate(ledger, ledger.spec(job_id), v2, registry.get("acme", "race", "2")["hash"], "t", "")
+            assert refused.value.extra["leased"] == len(leases) == 8
         go = threading.Barrier(2)
 
         def commit_all():
             go.wait()
             for lease in leases:
-                ledger.complete(job_id, lease.seq, lease.lease_token, {"ok": 1})
+                other.complete(job_id, lease.seq, lease.lease_token, {"ok": 1})
 
         t = threading.Thread(target=commit_all)
         t.start()
         go.wait()
+        if round_ == 11:  # the last round migrates after the commits: at least one migration
+            t.join()
         spec = ledger.spec(job_id)
-        target, record = (v2, registry.get("acme", "race", "2")) if spec.flow.version == "1" else (
-            v1, registry.get("acme", "race", "1"))
+        target = nxt[spec.flow.version]
         try:
-            migrate(ledger, spec, target, record["hash"], "test", f"round {round_}")
+            migrate(ledger, spec, target, registry.get("acme", "race", target.version)["hash"], "test",
+                    f"round {round_}")
             outcomes["migrated"] += 1
-        except Exception as exc:  # noqa: BLE001 - the refusal is the other allowed outcome
-            assert "leased" in str(exc) or "does not keep" in str(exc), exc
+        except Conflict as exc:  # the other allowed outcome: batches were still leased
+            assert exc.extra.get("leased"), exc
             outcomes["refused"] += 1
         t.join()
-        stored = ledger.spec(job_id)
-        job = ledger.job_fields(job_id)
-        assert int(job.get("spec_gen") or 0) == stored.spec_gen == outcomes["migrated"]
+        job, stored = ledger.job_fields(job_id), ledger.spec(job_id)
         migrated = [e for _, e in ledger.r.xrange(k.audit) if e["event"] == "flow_migrated"]
-        assert len(migrated) == outcomes["migrated"]
+        assert int(job.get("spec_gen") or 0) == stored.spec_gen == len(migrated) == outcomes["migrated"]
         assert "corrupt" not in job
-        ledger.reopen(job_id, "test")  # resume
-    assert outcomes["migrated"] >= 1  # some rounds raced, some migrated (checked above)
+        jobs.resume("acme", job_id, ResumeRequest(), "test")  # waits out the settle after a migration
+    drain(other, job_id, output=lambda lease: {"ok": 1})
+    assert ledger.job_fields(job_id)["status"] == "succeeded"
+    batches = [ledger.batch_record(job_id, s) for s in range(int(ledger.job_fields(job_id)["next_seq"]))]
+    assert all(b["status"] == "completed" for b in batches)
+    done_on_v1 = set()  # batches whose last v1 stage committed before the first migration (log order)
+    for _, entry in ledger.r.xrange(k.log):
+        if entry["event"] == "flow_migrated":
+            break
+        if entry["event"] == "stage_completed" and entry["stage"] == "1":
+            done_on_v1.add(int(entry["seq"]))
+    skipped = [int(b["seq"]) for b in batches
+               if int(b["seq"]) not in done_on_v1 and b.get("st:2") != "completed"]
+    assert len(done_on_v1) < len(batches) and skipped == []
+    assert outcomes["migrated"] >= 1 and sum(outcomes.values()) == 12, outcomes  # every batch not done before the first migration ran the appended stage
 
 
 def test_cli_migrates_a_paused_job_and_reports_a_refusal(api, registry, monkeypatch, capsys):
