@@ -121,8 +121,9 @@ def test_a_version_that_drops_or_renames_a_stage_in_use_is_refused_naming_it(
     renamed = flow(platform, "3", "/store-fixed")
     renamed["stages"][1]["name"] = "save"
     appended = flow(platform, "4", "/store-fixed", extra=[{"name": "notify"}])
+    longer = flow(platform, "5", "/store-fixed", extra=[{"name": "notify", "lease": 120}])
     job_id = start(api, registry, platform, {"1": flow(platform, "1", "/store-broken"), "3": renamed,
-                                             "4": appended})
+                                             "4": appended, "5": longer})
     body = {"flow_version": "3", "reason": "rename"}
     resp = api.post(f"/v1/jobs/{job_id}/migrate", json=body)
     assert resp.status_code == 409 and "running" in resp.json()["detail"]  # pause first
@@ -137,6 +138,11 @@ def test_a_version_that_drops_or_renames_a_stage_in_use_is_refused_naming_it(
         assert api.post(f"/v1/jobs/{job_id}/migrate", json=bad).status_code in (404, 422)
     resp = api.post(f"/v1/jobs/{job_id}/migrate", json={"flow_version": "4", "reason": "add notify"})
     assert resp.status_code == 200 and resp.json()["stages"] == ["score", "store", "notify"]
+    ledger.set_status(job_id, "failed", ("paused",), "test", "gave up")  # a failed job moves too
+    resp = api.post(f"/v1/jobs/{job_id}/migrate", json={"flow_version": "1", "reason": "back"})
+    assert resp.status_code == 409 and resp.json()["incompatible"] == ["notify"]  # batch 0 completed
+    resp = api.post(f"/v1/jobs/{job_id}/migrate", json={"flow_version": "5", "reason": "longer lease"})
+    assert resp.status_code == 200 and resp.json()["flow"]["previous"]["version"] == "4"
 
 
 def test_a_migration_racing_a_batch_commit_never_leaves_a_half_migrated_job(
