@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.api.common import idempotent, json_body, query_int, request_services
 from gateway.errors import InvalidRequest
-from gateway.ledger.jobs import JobRequest, ResumeRequest, new_job_id
+from gateway.ledger.jobs import JobRequest, MigrateRequest, ResumeRequest, new_job_id
+from gateway.ledger.migrate import settle
 from gateway.ledger.quotas import Quotas
 from gateway.ledger.records import typed_entry
 from gateway.validation import parse
@@ -153,8 +154,20 @@ def retry_failed(job_id: str):
     services = request_services()
     spec = services.jobs.owned_spec(g.tenant, job_id)
     services.jobs.check_flow_version(spec)
+    settle(services.ledger, services.ledger.job_fields(job_id))  # after a migration: see migrate.py
     reopened = services.ledger.reopen(job_id, g.actor, only_failed=True)
     request_quotas().track(g.tenant, job_id)
     if reopened and services.dispatcher is not None and any(s.target for s in spec.flow.stages):
         services.dispatcher.kick(job_id)
     return jsonify({**services.jobs.view(g.tenant, job_id), "reopened": reopened})
+
+
+@bp.post("/<job_id>/migrate")
+def migrate(job_id: str):
+    """Move a paused or failed job to another version of its flow; 409 names what is incompatible."""
+    req = parse(MigrateRequest, json_body(), "migrate request")
+    services = request_services()
+    view = services.jobs.migrate(g.tenant, job_id, req, g.actor)
+    if services.dispatcher is not None and view["push_stages"]:
+        services.dispatcher.kick(job_id)  # registers the job with the push workers if it now has targets
+    return jsonify(view)

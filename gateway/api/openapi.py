@@ -20,7 +20,7 @@ from gateway.api import jobs
 from gateway.api.jobs import CancelRequest
 from gateway.api.pull import CompleteRequest, FailRequest, HeartbeatRequest, LeaseRequest
 from gateway.ledger.flows import FlowSpec
-from gateway.ledger.jobs import BATCH_STATUSES, STATUSES, JobRequest, ResumeRequest
+from gateway.ledger.jobs import BATCH_STATUSES, STATUSES, JobRequest, MigrateRequest, ResumeRequest
 from gateway.validation import MAX_DEPTH
 
 REF = "#/components/schemas/{model}"
@@ -61,7 +61,7 @@ class CallbackAnswer(BaseModel):
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
-    FlowSpec, JobRequest, ResumeRequest, CancelRequest, LeaseRequest, HeartbeatRequest,
+    FlowSpec, JobRequest, ResumeRequest, MigrateRequest, CancelRequest, LeaseRequest, HeartbeatRequest,
     CompleteRequest, FailRequest, CallbackAnswer)
 
 EXAMPLES: dict[str, Any] = {
@@ -69,6 +69,7 @@ EXAMPLES: dict[str, Any] = {
                  "batching": {"max_items": 5}, "stages": [{"name": "score", "lease": 60}]},
     "JobRequest": {"flow_id": "resume-screening", "params": {"threshold": 0.7}},
     "ResumeRequest": {"cursor": {"offset": 0}, "reason": "re-run after fixing the prompt"},
+    "MigrateRequest": {"flow_version": "2", "reason": "store target fixed"},
     "CancelRequest": {"reason": "wrong input file"},
     "LeaseRequest": {"stage": "score"},
     "HeartbeatRequest": {"lease_token": "lt_9f3b2c", "progress": {"done": 2}, "extend_s": 30},
@@ -136,7 +137,8 @@ VIEW_SCHEMAS: dict[str, Any] = {
     "JobView": _obj(
         ["job_id", "status", "flow", "stages", "batches", "items_done", "created_ms", "updated_ms"],
         job_id=STR, status={"enum": list(STATUSES)}, corrupt=BOOL,
-        flow=_obj(["id", "version", "hash"], id=STR, version=STR, hash=STR),
+        flow=_obj(["id", "version", "hash"], id=STR, version=STR, hash=STR,
+                  previous=_nullable(_obj(["version", "hash"], version=STR, hash=STR))),
         params=OBJ, stages={"type": "array", "items": STR}, push_stages={"type": "array", "items": STR},
         committed_cursor={"description": "any JSON: where the next uncommitted batch starts"},
         committed_seq=INT,
@@ -152,6 +154,9 @@ VIEW_SCHEMAS: dict[str, Any] = {
         bytes_done=_nullable(INT), bytes_total=_nullable(INT),
         created_ms=INT, updated_ms=INT, finished_ms=_nullable(INT)),
     "JobList": _obj(["jobs"], jobs={"type": "array", "items": _ref("JobView")}),
+    "MigratedJob": {"allOf": [_ref("JobView"), _obj(["migration"], migration=_obj(
+        ["from", "to", "spec_gen"], spec_gen=INT, **{
+            end: _obj(["version", "hash"], version=STR, hash=STR) for end in ("from", "to")}))]},
     "BatchView": _obj(["seq", "stage", "attempt", "items"],
                       seq=INT, status=_nullable(STR), stage=_nullable(STR), attempt=INT,
                       items=INT, error=_nullable(STR), error_type=_nullable(STR),
@@ -325,6 +330,9 @@ ROUTES: tuple[Route, ...] = (
     Route("post", "/v1/jobs/{job_id}/resume", "Resume, re-open, or re-plan from a cursor",
           {200: ("the job", "JobView")}, (*BODY, 404, 409), body=ResumeRequest, body_required=False,
           params=(JOB,), tags=("control",), rules=RESUME_RULES),
+    Route("post", "/v1/jobs/{job_id}/migrate", "Move a paused or failed job to another flow version",
+          {200: ("the job on its new version", "MigratedJob")}, (*BODY, 404, 409), body=MigrateRequest,
+          params=(JOB,), tags=("control",)),
     Route("post", "/v1/jobs/{job_id}/retry-failed", "Re-open failed batches",
           {200: ("the job", "JobView")}, CONTROL, params=(JOB,), tags=("control",)),
     Route("post", "/v1/jobs/{job_id}/lease", "Lease the next ready batch (pull mode)",

@@ -14,6 +14,7 @@ from gateway.errors import CorruptRecord, FlowVersionMismatch, InvalidRequest, N
 from gateway.ledger.flows import NAME, FlowRegistry, FlowSpec, validate_source
 from gateway.ledger.jobspec import JobSpec, initial_cursor, open_source, probe_source, total_hint
 from gateway.ledger.ledger import ABSENT, Ledger
+from gateway.ledger.migrate import migrate, settle
 from gateway.ledger.planner import check_batch_bound
 from gateway.ledger.progress import progress_of
 from gateway.ledger.records import loads_or_none
@@ -41,6 +42,15 @@ class ResumeRequest(BaseModel):
 
     cursor: Any = Field(default=ABSENT, description="re-plan from this cursor (rewind or skip)")
     reason: str = Field(default="", max_length=500)
+
+
+class MigrateRequest(BaseModel):
+    """Body of ``POST /v1/jobs/<id>/migrate``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    flow_version: str = Field(pattern=NAME, description="the version of the job's flow to move to")
+    reason: str = Field(min_length=1, max_length=500, description="why, for the audit trail")
 
 
 _JOB_ID = re.compile(r"job_[A-Za-z0-9_-]{1,60}")
@@ -115,7 +125,10 @@ class JobService:
             "job_id": job_id,
             "status": job["status"],
             "corrupt": bool(job.get("corrupt")),
-            "flow": {"id": spec.flow.id, "version": spec.flow.version, "hash": spec.flow_hash},
+            "flow": {"id": spec.flow.id, "version": spec.flow.version, "hash": spec.flow_hash,
+                     # the version and hash it ran before its last migration (None: never migrated)
+                     "previous": {"version": spec.prev_flow_version, "hash": spec.prev_flow_hash}
+                     if spec.spec_gen else None},
             "params": spec.params,
             "stages": [s.name for s in spec.flow.stages],
             "push_stages": [s.name for s in spec.flow.stages if s.target is not None],
@@ -218,6 +231,7 @@ class JobService:
         job = self.ledger.job_fields(job_id)
         if job.get("corrupt"):
             raise CorruptRecord(f"job {job_id} failed its checksum; it will not run")
+        settle(self.ledger, job)  # a job migrated a moment ago: every process sees its new spec first
         result: dict[str, Any] = {"reopened": 0}
         if req.cursor is not ABSENT:
             self._check_cursor(spec, req.cursor)
@@ -225,6 +239,17 @@ class JobService:
         else:  # the script decides by the status it reads: paused runs, others re-open, final refuse
             result["reopened"] = self.ledger.reopen(job_id, actor)
         return {**self.view(tenant, job_id), "resume": result}
+
+    def migrate(self, tenant: str, job_id: str, req: MigrateRequest, actor: str) -> dict[str, Any]:
+        """Move a paused or failed job to another version of its flow (migrate.py); resume runs it."""
+        spec = self.owned_spec(tenant, job_id)
+        record = self.flows.get(tenant, spec.flow.id, req.flow_version)
+        if record["hash"] != record["content_hash"]:
+            raise CorruptRecord(f"flow {spec.flow.id} version {req.flow_version} no longer hashes as "
+                                "registered; it will not be used")
+        flow = FlowSpec.model_validate(record["flow"])
+        result = migrate(self.ledger, spec, flow, record["hash"], actor, req.reason)
+        return {**self.view(tenant, job_id), "migration": result}
 
     def check_flow_version(self, spec: JobSpec) -> None:
         """Refuse when the job's flow version is gone or its definition no longer hashes the same."""

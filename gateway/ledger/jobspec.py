@@ -47,6 +47,11 @@ class JobSpec:
     #: created since issue 15; "seq" (``<job>:<seq>:<stage>``) for jobs recorded before, so a batch in
     #: flight across the upgrade keeps the key its platform already saw
     key_scheme: str = "seq"
+    #: how many times the job was moved to another flow version (migrate.lua); the job hash holds the
+    #: same number, so a process holding an older spec sees it is old (Ledger.spec)
+    spec_gen: int = 0
+    prev_flow_hash: str | None = None  # the flow hash before the last migration
+    prev_flow_version: str | None = None
 
     @property
     def stage_count(self) -> int:
@@ -90,7 +95,8 @@ class JobSpec:
             "total_hint": "" if self.total_hint is None else str(self.total_hint),
             "total_bytes": "" if self.total_bytes is None else str(self.total_bytes),
             "key_scheme": self.key_scheme,
-        }
+        } | ({"spec_gen": str(self.spec_gen), "prev_flow_hash": self.prev_flow_hash or "",
+              "prev_flow_version": self.prev_flow_version or ""} if self.spec_gen else {})
 
     @classmethod
     def from_fields(cls, fields: dict[str, str]) -> JobSpec:
@@ -105,6 +111,9 @@ class JobSpec:
             total_hint=int(hint) if hint else None,
             total_bytes=int(size) if size else None,  # absent in records written before it existed
             key_scheme=fields.get("key_scheme") or "seq",  # likewise
+            spec_gen=int(fields.get("spec_gen") or 0),  # set by a migration only
+            prev_flow_hash=fields.get("prev_flow_hash") or None,
+            prev_flow_version=fields.get("prev_flow_version") or None,
         )
 
 

@@ -40,6 +40,7 @@ ABSENT = object()
 LEASE_PATIENCE_S = 5.0  # how long a lease waits for another caller's planning before "nothing ready"
 PLAN_AHEAD = 16  # batches one plan cuts where the source is cheap to read ahead (Ledger.plan_ahead)
 PLAN_LOCK_MS = 30_000  # one reader of the source per job at a time; the lock expires if it dies
+SPEC_RECHECK_S = 1.0  # a cached spec is checked against the job's spec_gen at most this often (spec())
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class Ledger(ControlOps):
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.scripts = Scripts.register(client)
-        self._specs: OrderedDict[str, JobSpec] = OrderedDict()
+        self._specs: OrderedDict[str, tuple[JobSpec, float]] = OrderedDict()  # spec, seen current at
         self._specs_lock = threading.Lock()  # gunicorn threads share the cache
         # lease.lua's KEYS and fixed ARGV per (job, stages, lease_ms), built from the cached spec
         self._lease_calls: OrderedDict[tuple, tuple[JobSpec, list[str], list[Any], list[Any]]] = OrderedDict()
@@ -116,12 +117,26 @@ class Ledger(ControlOps):
     # -- records ---------------------------------------------------------------------------
 
     def spec(self, job_id: str) -> JobSpec:
-        """The job's frozen spec (cached, LRU-bounded: it never changes), or NotFound / CorruptRecord."""
+        """The job's spec (cached, LRU-bounded), or NotFound / CorruptRecord.
+
+        A spec changes only by a flow migration (migrate.py), which raises the job hash's ``spec_gen``
+        in the same script. A cached spec is trusted for SPEC_RECHECK_S after it was last seen current,
+        then checked against ``spec_gen`` (one HGET) and read again if it is old; a migrated job resumes
+        only SPEC_SETTLE_S after its migration (migrate.settle), so by the time anything runs again no
+        process holds a spec it has not seen current since the migration. The hot path (lease,
+        heartbeat, complete) costs no extra round trip.
+        """
+        now = time.monotonic()
         with self._specs_lock:
             cached = self._specs.get(job_id)
-            if cached is not None:
+            if cached is not None and now - cached[1] < SPEC_RECHECK_S:
                 self._specs.move_to_end(job_id)
-                return cached
+                return cached[0]
+        if cached is not None and self._spec_gen(job_id) == cached[0].spec_gen:
+            with self._specs_lock:
+                self._specs[job_id] = (cached[0], now)
+                self._specs.move_to_end(job_id)
+            return cached[0]
         fields = self.r.hgetall(self.keys.job(job_id).spec)
         if not fields:
             raise NotFound(f"job {job_id} not found")
@@ -130,10 +145,14 @@ class Ledger(ControlOps):
             raise CorruptRecord(f"job {job_id} spec failed its checksum; it will not run")
         spec = JobSpec.from_fields(fields)
         with self._specs_lock:
-            self._specs[job_id] = spec
+            self._specs[job_id] = (spec, now)
             while len(self._specs) > self.spec_cache:
                 self._specs.popitem(last=False)
         return spec
+
+    def _spec_gen(self, job_id: str) -> int:
+        """The job hash's spec generation (0 until a migration; a missing job reads 0 too)."""
+        return int(self.r.hget(self.keys.job(job_id).job, "spec_gen") or 0)
 
     def forget(self, job_id: str) -> None:
         """Drop the job's cached spec (the supervisor, once the job is finished and retired)."""

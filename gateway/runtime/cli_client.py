@@ -51,7 +51,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     common.add_argument("--url", default=None, help="gateway URL (default BATCHGATE_PUBLIC_URL, else http://HOST:PORT)")
     common.add_argument("--token", default=None, help="bearer token (default $BATCHGATE_TOKEN)")
 
-    jobs = sub.add_parser("jobs", help="list, show, pause, resume, cancel, release jobs")
+    jobs = sub.add_parser("jobs", help="list, show, pause, resume, cancel, release, migrate jobs")
     jsub = jobs.add_subparsers(metavar="action", required=True)
     ls = jsub.add_parser("list", parents=[common])
     ls.add_argument("--status")
@@ -69,6 +69,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     resume.add_argument("--cursor", help="JSON cursor to re-plan from (rewind, or skip a bad range)")
     resume.add_argument("--reason", default="")
     resume.set_defaults(func=jobs_resume)
+    migrate = jsub.add_parser("migrate", parents=[common],
+                              help="move a paused or failed job to another version of its flow")
+    migrate.add_argument("job_id")
+    migrate.add_argument("--flow-version", required=True, help="the version to move to")
+    migrate.add_argument("--reason", required=True, help="why (kept in the job's audit trail)")
+    migrate.set_defaults(func=jobs_migrate)
 
     flows = sub.add_parser("flows", help="apply flow definitions")
     fsub = flows.add_subparsers(metavar="action", required=True)
@@ -178,6 +184,13 @@ def jobs_resume(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise CliError(f"--cursor is not JSON: {exc}") from exc
     print_json(client_from(args).call("POST", f"/v1/jobs/{args.job_id}/resume", body))
+    return 0
+
+
+@_run
+def jobs_migrate(args: argparse.Namespace) -> int:
+    body = {"flow_version": args.flow_version, "reason": args.reason}
+    print_json(client_from(args).call("POST", f"/v1/jobs/{args.job_id}/migrate", body))
     return 0
 
 
