@@ -108,25 +108,28 @@ class Deliverer:
     def tick(self) -> None:
         """One pass over every job that may have undelivered events."""
         active = self.r.smembers(self.keys.active)
+        subs: dict[str, list[dict[str, str]]] = {}  # tenant -> subscriptions, read once a pass
         for job_id in sorted(active | self.r.smembers(self.keys.events_pending)):
             if self.stop.is_set():
                 return
             try:
-                done = self._job(job_id)
+                done = self._job(job_id, subs)
             except BatchgateError as exc:  # e.g. the job is gone: nothing left to deliver
                 log.warning("webhooks: job_id=%s skipped: %s", job_id, exc.detail)
                 done = True
             if done and job_id not in active:
                 self.r.srem(self.keys.events_pending, job_id)
 
-    def _job(self, job_id: str) -> bool:
+    def _job(self, job_id: str, subs: dict[str, list[dict[str, str]]]) -> bool:
         """Feed the job's events to its tenant's subscriptions; True when every one is handled."""
-        entries = self.r.xrange(self.keys.job(job_id).events)
-        if not entries:
-            return True
         tenant = self.ledger.spec(job_id).tenant
+        if tenant not in subs:
+            subs[tenant] = self.store.for_tenant(tenant)
+        if not subs[tenant]:
+            return True  # nobody listens (a subscription made later hears only of later events)
+        entries = self.r.xrange(self.keys.job(job_id).events)
         done = True
-        for sub in self.store.for_tenant(tenant):
+        for sub in subs[tenant]:
             done = self._feed(sub, job_id, entries) and done
         return done
 
