@@ -274,3 +274,23 @@ def test_deleting_a_subscription_stops_its_deliveries(hooks, make_job, redis_cli
     Deliverer(ledger, retry=FAST).tick()
     receiver.close()
     assert receiver.got == [] and SubscriptionStore(redis_client, ledger.keys).for_tenant("acme") == []
+
+
+def test_cancelling_a_failed_job_the_supervisor_retired_is_still_delivered(hooks, make_job):
+    from gateway.push.supervisor import Supervisor
+
+    ledger, api = hooks
+    receiver = Receiver()
+    receiver.secret = subscribe(api, receiver.url)["secret"]
+    job_id = make_job(items=3)
+    lease = ledger.lease(job_id)
+    ledger.fail(job_id, lease.seq, lease.lease_token, "boom", retryable=False)
+    Supervisor(ledger).tick()  # retired: no longer active
+    deliverer = Deliverer(ledger, retry=FAST)
+    run_until(deliverer, lambda: len(receiver.got) == 1)
+    deliverer.tick()  # drained: the job leaves the pending set
+    assert not ledger.r.sismember(ledger.keys.active, job_id)
+    ledger.cancel(job_id, "tester")
+    run_until(deliverer, lambda: len(receiver.got) == 2)
+    receiver.close()
+    assert [body["type"] for _, body in receiver.got] == ["job.failed", "job.cancelled"]

@@ -91,6 +91,7 @@ class ControlOps:
         if res[0] == "already":
             return {"cancelled": True, "already": True, "voided_leases": 0}
         self._control_result(res, job_id, "be cancelled")
+        self.r.sadd(self.keys.events_pending, job_id)  # a retired (failed) job: its job.cancelled too
         log.info("job cancelled job_id=%s from=%s voided=%s actor=%s", job_id, res[1], res[2], actor)
         return {"cancelled": True, "already": False, "voided_leases": int(res[2])}
 
