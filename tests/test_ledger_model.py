@@ -828,7 +828,8 @@ class LedgerMachine(RuleBasedStateMachine):
         kinds = pipe.execute()
         read = {"hash": lambda key: pipe.hgetall(key), "string": lambda key: pipe.get(key),
                 "list": lambda key: pipe.lrange(key, 0, -1),
-                "zset": lambda key: pipe.zrange(key, 0, -1, withscores=scores)}
+                "zset": lambda key: pipe.zrange(key, 0, -1, withscores=scores),
+                "stream": lambda key: pipe.xrange(key)}  # the event outbox (keys.py)
         for key, kind in zip(keys, kinds, strict=True):
             read[kind](key)
         values = pipe.execute()

@@ -89,7 +89,8 @@ def test_every_schemathesis_check_passes(stack, tmp_path):
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{base}/openapi.json", "--checks", "all",
            "--exclude-checks", "positive_data_acceptance", "--seed", str(SEED),
            "--max-examples", str(MAX_EXAMPLES), "--generation-deterministic", "--no-color",
-           "--request-timeout", "30", "--workers", "2", "-H", f"Authorization: Bearer {token}"]
+           "--request-timeout", "30", "--workers", "1",  # 2 threads: CPython 3.11.7 gh-106905
+           "-H", f"Authorization: Bearer {token}"]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.test_schemathesis", "PYTHONPATH": str(ROOT)}
     run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     summary = run.stdout[-6000:]

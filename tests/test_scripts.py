@@ -47,25 +47,27 @@ class Job:
     # -- KEYS, in each header's order --------------------------------------------------------
     def plan_keys(self, seq, count=1):
         return [self.k.job, self.k.ready(0), self.k.log, self.k.leases, self.k.plan_lock,
-                *[key for s in range(seq, seq + count) for key in (self.k.batch(s), self.k.items(s))]]
+                *[key for s in range(seq, seq + count) for key in (self.k.batch(s), self.k.items(s))],
+                self.k.events]
 
     def lease_keys(self, *stages):
         return [self.k.job, self.k.leases, self.k.log, self.k.failed, self.k.plan_lock, self.k.src,
-                *[self.k.ready(s) for s in stages]]
+                *[self.k.ready(s) for s in stages], self.k.events]
 
     def heartbeat_keys(self, seq):
-        return [self.k.job, self.k.batch(seq), self.k.leases]
+        return [self.k.job, self.k.batch(seq), self.k.leases, self.k.events]
 
     def complete_keys(self, seq):
         return [self.k.job, self.k.batch(seq), self.k.items(seq), self.k.leases, self.k.done, self.k.log,
-                *self.ready]
+                *self.ready, self.k.events]
 
     def fail_keys(self, seq):  # fail.lua and expire.lua take the same KEYS
-        return [self.k.job, self.k.batch(seq), self.k.leases, self.k.failed, self.k.log, *self.ready]
+        return [self.k.job, self.k.batch(seq), self.k.leases, self.k.failed, self.k.log, *self.ready,
+                self.k.events]
 
     def reopen_keys(self, seqs):
         return [self.k.job, self.k.leases, self.k.failed, self.k.log, self.k.audit, *self.ready,
-                *[self.k.batch(s) for s in seqs]]
+                *[self.k.batch(s) for s in seqs], self.k.events]
 
     def replan_keys(self, seqs):
         return [self.k.job, self.k.leases, self.k.failed, self.k.done, self.k.log, self.k.audit, *self.ready,
@@ -199,7 +201,7 @@ def replan(j, to_cursor, seqs, reason="skip a bad range", bound=None):
 
 
 def set_status(j, status, allowed):
-    return j.ledger.scripts.set_status(keys=[j.k.job, j.k.log, j.k.audit],
+    return j.ledger.scripts.set_status(keys=[j.k.job, j.k.log, j.k.audit, j.k.events],
                                        args=[status, allowed, MAXLEN, ACTOR, "", j.budget, j.pct])
 
 
@@ -400,7 +402,7 @@ def test_lease_answers_none_when_there_is_nothing_to_plan(ledger, job):
 def test_lease_waits_out_a_failing_source(job):
     j = job(items=10, max_items=3)
     retry_at = int(now_ms()) + 60_000
-    j.ledger.scripts.source_fail(keys=[j.k.job, j.k.log, j.k.audit],
+    j.ledger.scripts.source_fail(keys=[j.k.job, j.k.log, j.k.audit, j.k.events],
                                  args=["down", "1", 5, 60_000, 1.0, 60_000, 0.999, MAXLEN])
     res = lease_raw(j, "tok", holder="me")
     assert res[0] == "source_wait" and abs(int(res[1]) - retry_at) < 5_000 and res[2] == "down"

@@ -39,7 +39,7 @@ LEDGER_RETRY_AFTER = timedelta(seconds=2)  # a Redis restart from its AOF takes 
 
 def create_app(settings: Settings | None = None, client: redis.Redis | None = None) -> Flask:
     """Build the WSGI app; with no client, connect as settings say (no URL: join a running `up`)."""
-    from gateway.api import callbacks, flows, health, jobs, pull
+    from gateway.api import callbacks, flows, health, jobs, pull, subscriptions
     from gateway.ledger.embedded import connect
     from gateway.push.dispatch import Dispatcher
     from gateway.push.supervisor import recovery_gate
@@ -70,7 +70,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     services.spool = CallbackSpool(settings.data_dir / "callback-spool",
                                    lambda token, body: callbacks.commit_callback(services, token, body))
     services.spool.start()  # what an earlier process spooled is committed once Redis answers
-    for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp):
+    for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp, subscriptions.bp):
         app.register_blueprint(bp)
     if deferred_check:
         app.before_request(ledger.check_digest_agreement)  # a no-op once it has passed

@@ -19,6 +19,8 @@ from pydantic.json_schema import GenerateJsonSchema, models_json_schema
 from gateway.api import jobs
 from gateway.api.jobs import CancelRequest
 from gateway.api.pull import CompleteRequest, FailRequest, HeartbeatRequest, LeaseRequest
+from gateway.api.subscriptions import SubscriptionRequest
+from gateway.ledger.events import EVENT_TYPES
 from gateway.ledger.flows import FlowSpec
 from gateway.ledger.jobs import BATCH_STATUSES, STATUSES, JobRequest, MigrateRequest, ResumeRequest
 from gateway.validation import MAX_DEPTH
@@ -62,7 +64,7 @@ class CallbackAnswer(BaseModel):
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     FlowSpec, JobRequest, ResumeRequest, MigrateRequest, CancelRequest, LeaseRequest, HeartbeatRequest,
-    CompleteRequest, FailRequest, CallbackAnswer)
+    CompleteRequest, FailRequest, CallbackAnswer, SubscriptionRequest)
 
 EXAMPLES: dict[str, Any] = {
     "FlowSpec": {"id": "resume-screening", "version": "1", "source": {"type": "sequence", "count": 10},
@@ -76,6 +78,8 @@ EXAMPLES: dict[str, Any] = {
     "CompleteRequest": {"lease_token": "lt_9f3b2c", "output": {"scored": 5}},
     "FailRequest": {"lease_token": "lt_9f3b2c", "error": {"message": "model quota exceeded",
                                                           "retryable": True}},
+    "SubscriptionRequest": {"url": "https://hooks.example.com/batchgate",
+                            "events": ["job.succeeded", "job.failed"]},
 }
 
 
@@ -178,6 +182,15 @@ VIEW_SCHEMAS: dict[str, Any] = {
     "FailResult": _obj(["job_id", "seq", "attempt", "outcome"], job_id=STR, seq=INT, attempt=INT,
                        outcome=STR),
     "CallbackResult": OBJ,
+    "Subscription": _obj(["id", "url", "events", "created_ms"], id=STR, url=STR,
+                         events={"type": "array", "items": {"enum": list(EVENT_TYPES)}}, created_ms=INT),
+    "SubscriptionCreated": {"allOf": [_ref("Subscription"), _obj(
+        ["secret"], secret={**STR, "description": "whsec_ + base64: the signing key, shown only now"})]},
+    "SubscriptionList": _obj(["subscriptions"],
+                             subscriptions={"type": "array", "items": _ref("Subscription")}),
+    "DeliveryList": _obj(["deliveries"], deliveries={"type": "array", "items": _obj(
+        ["event_id", "attempt", "at_ms", "ok"], event_id=STR, type=STR, job_id=STR, attempt=INT, at_ms=INT,
+        status=_nullable(INT), answer=STR, ok=BOOL, gave_up=BOOL)}),
     "Items": {"type": "array", "description": "the batch's items"},
 }
 
@@ -238,6 +251,11 @@ COMPLETE_RULES = (
     Rule("items come only from a job whose first stage fetches", "invalid-request",
          "items may only be sent by a fetching first stage"),
 )
+SUBSCRIPTION_RULES = (
+    Rule("the URL passes the outbound guard (a public address, or one BATCHGATE_OUTBOUND_ALLOW admits)",
+         "unsafe-url", ""),
+    Rule("at most 50 subscriptions per tenant", "invalid-request", "at most 50 subscriptions"),
+)
 RESUME_RULES = (Rule("a cursor is checked against the job's source type", "invalid-request", "^cursor"),)
 
 
@@ -271,6 +289,8 @@ FLOW = _path_param("flow_id", {"type": "string"}, "resume-screening", "a flow id
 VERSION = _path_param("version", {"type": "string"}, "1", "a flow version")
 SEQ = _path_param("seq", {"type": "integer", "minimum": 0, "maximum": 2**53}, 0, "a batch's sequence")
 TOKEN = _path_param("token", {"type": "string"}, "eyJqIjoiam9iXzAxIn0.c2ln", "the signed token")
+SUB = _path_param("sub_id", {"type": "string", "maxLength": 64}, "sub_0123456789abcdef",
+                  "a subscription id (sub_...)")
 LIMIT = _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}, "at most this many")
 #: A log entry id XRANGE takes: ``-`` (from the start), ``<ms>`` or ``<ms>-<seq>`` (19 digits each at
 #: most, so every id the pattern admits is below Redis's 2^64 - 1 ceiling).
@@ -353,6 +373,19 @@ ROUTES: tuple[Route, ...] = (
           {200: ("committed (or the first answer again)", "CallbackResult")},
           (*BODY, 401, 404, 409, 410), body=CallbackAnswer, params=(TOKEN,), public=True,
           tags=("push",)),
+    Route("post", "/v1/subscriptions", "Subscribe a URL to job events",
+          {201: ("created; the signing secret is shown only now", "SubscriptionCreated")}, BODY,
+          body=SubscriptionRequest, tags=("webhooks",), rules=SUBSCRIPTION_RULES),
+    Route("get", "/v1/subscriptions", "The tenant's subscriptions",
+          {200: ("subscriptions", "SubscriptionList")}, tags=("webhooks",)),
+    Route("get", "/v1/subscriptions/{sub_id}", "One subscription",
+          {200: ("the subscription", "Subscription")}, (404,), params=(SUB,), tags=("webhooks",)),
+    Route("delete", "/v1/subscriptions/{sub_id}", "Delete a subscription",
+          {204: ("deleted", None)}, (404,), params=(SUB,), tags=("webhooks",)),
+    Route("get", "/v1/subscriptions/{sub_id}/deliveries", "Delivery attempts and answers, newest first",
+          {200: ("deliveries", "DeliveryList")}, (404, 422),
+          params=(SUB, _query("limit", {"type": "integer", "minimum": 1, "maximum": 100},
+                              "at most this many")), tags=("webhooks",)),
     Route("get", "/v1/blobs/{token}", "A batch's items (signed URL)", {200: ("the items", "Items")},
           (401, 404, 410), params=(TOKEN,), public=True, tags=("push",)),
 )

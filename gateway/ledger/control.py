@@ -57,7 +57,7 @@ class ControlOps:
         k = self.keys.job(job_id)
         spec = self.spec(job_id)
         res = self.scripts.set_status(
-            keys=[k.job, k.log, k.audit],
+            keys=[k.job, k.log, k.audit, k.events],
             args=[status, ",".join(allowed), self.settings.log_maxlen, actor, reason[:2000],
                   spec.budget_total, spec.flow.tolerated_failure_percentage])
         verb = {"paused": "pause", "held": "hold", "running": "release", "failed": "fail"}.get(status, status)
@@ -83,13 +83,15 @@ class ControlOps:
 
         def attempt() -> list:
             seqs = [int(s) for s in self.r.zrange(k.leases, 0, -1)]
-            return self.scripts.cancel(keys=[k.job, k.leases, k.log, k.audit, *[k.batch(s) for s in seqs]],
+            return self.scripts.cancel(keys=[k.job, k.leases, k.log, k.audit, *[k.batch(s) for s in seqs],
+                                             k.events],
                                        args=[self.settings.log_maxlen, actor, reason[:2000], *seqs])
 
         res = self._retrying(job_id, attempt)
         if res[0] == "already":
             return {"cancelled": True, "already": True, "voided_leases": 0}
         self._control_result(res, job_id, "be cancelled")
+        self.r.sadd(self.keys.events_pending, job_id)  # a retired (failed) job: its job.cancelled too
         log.info("job cancelled job_id=%s from=%s voided=%s actor=%s", job_id, res[1], res[2], actor)
         return {"cancelled": True, "already": False, "voided_leases": int(res[2])}
 
@@ -106,7 +108,7 @@ class ControlOps:
                 seqs = list(range(int(job["wm"]), int(job["next_seq"])))
             return self.scripts.reopen(
                 keys=[k.job, k.leases, k.failed, k.log, k.audit, *self._ready_keys(spec),
-                      *[k.batch(s) for s in seqs]],
+                      *[k.batch(s) for s in seqs], k.events],
                 args=[spec.stage_count, self.settings.log_maxlen, actor,
                       "retry_failed" if only_failed else "resume", spec.budget_total,
                       spec.flow.tolerated_failure_percentage, len(seqs), *seqs])

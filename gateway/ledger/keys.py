@@ -22,6 +22,8 @@ Per job (owner: the ledger scripts; expiry: retention, see ``Ledger.apply_retent
 ``<p>:{<job>}:failed``         zset    permanently failed batches; score = seq
 ``<p>:{<job>}:log``            stream  execution log, capped (``log_maxlen``)
 ``<p>:{<job>}:audit``          stream  control events (created, paused, cursor moved, ...), never capped
+``<p>:{<job>}:events``         stream  outbox of the job's webhook events (job.succeeded, ...), appended
+                                       by the script that changes the status (lib.lua save); never capped
 ``<p>:{<job>}:planlock``       string  who is reading the source to plan the next batch, short TTL
 ``<p>:{<job>}:recover``        string  supervisor recovery claim, short TTL
 =============================  ======  =====================================================
@@ -35,6 +37,14 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
 ``<p>:active``                        set     job ids the supervisor watches
 ``<p>:idem:<tenant>:<sha256>``        hash    Idempotency-Key record; TTL ``idempotency_ttl``
 ``<p>:idemclaim:<tenant>:<sha256>``   string  first claim of that key (request fingerprint)
+``<p>:sub:<id>``                      hash    a webhook subscription (tenant, url, events, secret)
+``<p>:subs:<tenant>``                 set     the tenant's subscription ids
+``<p>:sub:<id>:cursor``               hash    job id -> last outbox entry handled (delivered or
+                                              given up); the deliverer's durable progress
+``<p>:sub:<id>:retry``                hash    job id -> JSON retry state of the entry in flight
+``<p>:sub:<id>:deliveries``           list    newest delivery attempts (JSON), capped
+``<p>:events:pending``                set     retired job ids whose outbox may still hold undelivered
+                                              events (the deliverer also reads every active job)
 ``<p>:target:<id>:slots``             zset    calls in flight to one platform target; score = expiry
 ``<p>:target:<id>:breaker``           hash    an open circuit breaker: the target is unavailable
                                               (since_ms, until_ms, fails, error, probe_ms); outage.lua
@@ -109,6 +119,10 @@ class JobKeys:
         return f"{self._base}:audit"
 
     @property
+    def events(self) -> str:
+        return f"{self._base}:events"
+
+    @property
     def plan_lock(self) -> str:
         return f"{self._base}:planlock"
 
@@ -180,6 +194,26 @@ class Keys:
 
     def quota_prune(self, tenant: str) -> str:
         return f"{self.prefix}:quota:prune:{{{tenant}}}"
+
+    def subscription(self, sub_id: str) -> str:
+        return f"{self.prefix}:sub:{sub_id}"
+
+    def subscriptions(self, tenant: str) -> str:
+        return f"{self.prefix}:subs:{tenant}"
+
+    def sub_cursor(self, sub_id: str) -> str:
+        return f"{self.prefix}:sub:{sub_id}:cursor"
+
+    def sub_retry(self, sub_id: str) -> str:
+        return f"{self.prefix}:sub:{sub_id}:retry"
+
+    def sub_deliveries(self, sub_id: str) -> str:
+        return f"{self.prefix}:sub:{sub_id}:deliveries"
+
+    @property
+    def events_pending(self) -> str:
+        return f"{self.prefix}:events:pending"
+
     @property
     def boot(self) -> str:
         return f"{self.prefix}:boot"

@@ -279,7 +279,8 @@ class Ledger(ControlOps):
         cached = self._lease_calls.get(cache_key)
         if cached is None or cached[0] is not spec:
             ordered = sorted(stages, reverse=True)  # the latest stage first: finish batches before new ones
-            keys = [k.job, k.leases, k.log, k.failed, k.plan_lock, k.src, *[k.ready(i) for i in ordered]]
+            keys = [k.job, k.leases, k.log, k.failed, k.plan_lock, k.src, *[k.ready(i) for i in ordered],
+                    k.events]
             fixed = [spec.flow.concurrency, self.settings.log_maxlen, spec.budget_total,
                      spec.flow.tolerated_failure_percentage]
             pairs = [len(ordered), *[v for i in ordered for v in (
@@ -322,7 +323,8 @@ class Ledger(ControlOps):
                     return None  # the job's status changed (failed by the source): look again
             first = int(next_seq)
             keys = [k.job, k.ready(0), k.log, k.leases, k.plan_lock,
-                    *[key for i in range(len(batches)) for key in (k.batch(first + i), k.items(first + i))]]
+                    *[key for i in range(len(batches)) for key in (k.batch(first + i), k.items(first + i))],
+                    k.events]
             planned = True
             out = self.scripts.plan(
                 keys=keys,
@@ -374,7 +376,7 @@ class Ledger(ControlOps):
                        retry_after_s: float | None) -> None:
         policy = spec.flow.stages[0].retry
         res = self.scripts.source_fail(
-            keys=[k.job, k.log, k.audit],
+            keys=[k.job, k.log, k.audit, k.events],
             args=[message[:2000], "1" if retryable else "0", *self._policy_args(policy),
                   self.settings.log_maxlen])
         if res[0] in ("retry", "wait"):
@@ -410,7 +412,7 @@ class Ledger(ControlOps):
         stage = spec.flow.stages[int(batch["stage"])]
         extend = extend_ms or int(stage.lease.total_seconds() * 1000)
         res = self.scripts.heartbeat(
-            keys=[k.job, k.batch(seq), k.leases, k.failed, k.log, *self._ready_keys(spec)],
+            keys=[k.job, k.batch(seq), k.leases, k.failed, k.log, *self._ready_keys(spec), k.events],
             args=[token, extend, "" if progress is ABSENT else dumps(progress), stage.max_run_ms,
                   "1" if stage.target is not None else "0", "1" if stage.max_run_retryable else "0",
                   *self._policy_args(stage.retry), self.settings.log_maxlen, spec.budget_total,
@@ -435,7 +437,8 @@ class Ledger(ControlOps):
             items = output["items"]
         k = self.keys.job(job_id)
         res = self.scripts.complete(
-            keys=[k.job, k.batch(seq), k.items(seq), k.leases, k.done, k.log, *self._ready_keys(spec)],
+            keys=[k.job, k.batch(seq), k.items(seq), k.leases, k.done, k.log, *self._ready_keys(spec),
+                  k.events],
             args=[token, dumps(output), "" if next_cursor is ABSENT else dumps(next_cursor),
                   "" if items is None else dumps(items), len(items or ()), spec.stage_count,
                   self.settings.log_maxlen, spec.budget_total, spec.flow.tolerated_failure_percentage,
@@ -462,7 +465,7 @@ class Ledger(ControlOps):
             retryable = False
         res = self.scripts.fail(
             keys=[k.job, k.batch(seq), k.leases, k.failed, k.log,
-                  *self._ready_keys(spec)],
+                  *self._ready_keys(spec), k.events],
             args=[token, message[:2000], "1" if retryable else "0", *self._policy_args(policy),
                   self.settings.log_maxlen, spec.budget_total,
                   spec.flow.tolerated_failure_percentage, actor,
@@ -491,7 +494,7 @@ class Ledger(ControlOps):
             policy = stage.retry
             res = self.scripts.expire(
                 keys=[k.job, k.batch(int(seq)), k.leases, k.failed, k.log,
-                      *self._ready_keys(spec)],
+                      *self._ready_keys(spec), k.events],
                 args=[seq, *self._policy_args(policy), self.settings.log_maxlen,
                       spec.budget_total, spec.flow.tolerated_failure_percentage, actor,
                       "1" if stage.target is not None else "0", stage.max_run_ms,
@@ -558,7 +561,7 @@ class Ledger(ControlOps):
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
         planned = int(self.job_fields(job_id)["next_seq"])
-        return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.audit,
+        return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.audit, k.events,
                 *self._ready_keys(spec),
                 *[key for s in range(planned) for key in (k.batch(s), k.items(s))]]
 

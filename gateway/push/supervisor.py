@@ -1,4 +1,5 @@
-"""Supervisor: expires leases that ran out, recovers jobs left running by a crash, applies retention.
+"""Supervisor: expires leases that ran out, recovers jobs left running by a crash, applies retention,
+and delivers event webhooks (gateway/push/webhooks.py, in a thread of its own).
 
 Several supervisors may run at once: recovery claims a job with SET NX before touching it, and the
 expire script re-checks every deadline, so a lease is never expired twice.
@@ -22,6 +23,7 @@ import redis
 from gateway.errors import BatchgateError, Conflict, CorruptRecord, NotFound
 from gateway.ledger.generation import Generation
 from gateway.ledger.ledger import Ledger
+from gateway.push.webhooks import Deliverer
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +98,10 @@ def _recover_job(ledger: Ledger, actor: str, job_id: str, crash_ms: int) -> dict
 class Supervisor:
     """One supervisor process (or thread); ``run`` loops until ``stop`` is set."""
 
-    def __init__(self, ledger: Ledger, name: str | None = None, dispatcher: Any = None) -> None:
+    def __init__(self, ledger: Ledger, name: str | None = None, dispatcher: Any = None,
+                 deliverer: Deliverer | None = None) -> None:
         self.ledger = ledger
+        self.deliverer = deliverer or Deliverer(ledger)  # webhooks: its own thread, started by run
         self.dispatcher = dispatcher
         self.settings = ledger.settings
         self.name = name or f"supervisor@{socket.gethostname()}:{os.getpid()}"
@@ -146,7 +150,10 @@ class Supervisor:
         if status != "failed":
             spec = self.ledger.spec(job_id)
             self.ledger.expire_job(job_id, spec.flow.retention)
-        self.ledger.r.srem(self.ledger.keys.active, job_id)
+        pipe = self.ledger.r.pipeline(transaction=True)  # its events stay watched by the deliverer
+        pipe.sadd(self.ledger.keys.events_pending, job_id)
+        pipe.srem(self.ledger.keys.active, job_id)
+        pipe.execute()
         self.ledger.forget(job_id)  # this process will not look at it again: no spec kept for it
         log.info("job retired from supervision job_id=%s status=%s", job_id, status)
 
@@ -171,6 +178,8 @@ class Supervisor:
                 self.stop.wait(pause)
                 pause = min(pause * 2, RETRY_MAX_S)
         interval = self.settings.supervisor_interval.total_seconds()
+        webhooks = threading.Thread(target=self.deliverer.run, name="webhooks", daemon=True)
+        webhooks.start()  # deliveries wait on receivers; lease expiry must not wait on them
         while not self.stop.is_set():
             try:
                 if self.generation.ready():
@@ -181,6 +190,8 @@ class Supervisor:
             except Exception:  # noqa: BLE001 - leases must keep expiring: log it and tick again
                 log.exception("supervisor: a pass failed; ticking again")
             self.stop.wait(interval)
+        self.deliverer.stop.set()
+        webhooks.join(timeout=10)
         self.generation.leave()
 
     def _redis_down(self, exc: Exception, doing: str) -> None:

@@ -1,5 +1,6 @@
 -- cancel.lua: cancel a job for good and void every outstanding lease, in one step.
 -- KEYS[1] job   KEYS[2] leases   KEYS[3] log   KEYS[4] audit   KEYS[5..] batch:<seq> for the seqs in ARGV[4..]
+-- KEYS[#KEYS] events: the job's outbox, always the last key (lib.lua use_outbox)
 -- ARGV[1] log maxlen   ARGV[2] actor   ARGV[3] reason   ARGV[4..] the seqs the caller saw leased
 -- Returns {'ok', old status, voided count} | {'already'} | {'refused', status} | {'raced'}
 --       | {'corrupt'} | {'missing'}
@@ -7,6 +8,7 @@
 -- with no token, so a queued push call cannot begin (begin.lua) and a late heartbeat, complete or fail
 -- gets 'cancelled' and changes nothing. Counters are untouched (a voided batch stays open, uncommitted).
 -- 'raced' means the leases zset holds a seq the caller did not pass; the caller reads again and retries.
+use_outbox(KEYS[#KEYS])
 local job = load(KEYS[1])
 if job == false then return {'corrupt'} end
 if job == nil then return {'missing'} end

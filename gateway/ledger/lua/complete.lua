@@ -1,6 +1,7 @@
 -- complete.lua: commit one stage of one batch, in one round trip.
 -- KEYS[1] job   KEYS[2] batch:<seq>   KEYS[3] items:<seq>   KEYS[4] leases   KEYS[5] done   KEYS[6] log
 -- KEYS[7..6+S] ready:0..ready:S-1
+-- KEYS[#KEYS] events: the job's outbox, always the last key (lib.lua use_outbox)
 -- ARGV[1] lease token   ARGV[2] output (JSON)   ARGV[3] next cursor (JSON; '' = none given)
 -- ARGV[4] items fetched by this stage (JSON list; '' = none)   ARGV[5] item count of ARGV[4]
 -- ARGV[6] number of stages   ARGV[7] log maxlen   ARGV[8] budget total   ARGV[9] tolerated failure %
@@ -13,6 +14,7 @@
 -- stored, the stage or the low watermark advanced and the log appended, all here. A cancelled job
 -- takes no answer (it goes to the log as late_answer). Every change is computed and its counters
 -- checked before the first write.
+use_outbox(KEYS[#KEYS])
 local batch = load(KEYS[2])
 if batch == false then return {'corrupt'} end
 if batch == nil then return {'missing'} end

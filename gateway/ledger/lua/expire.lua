@@ -1,6 +1,7 @@
 -- expire.lua: return a batch whose lease ran out to the pool (or fail it when out of attempts).
 -- KEYS[1] job   KEYS[2] batch:<seq>   KEYS[3] leases   KEYS[4] failed   KEYS[5] log
 -- KEYS[6..5+S] ready:0..ready:S-1
+-- KEYS[#KEYS] events: the job's outbox, always the last key (lib.lua use_outbox)
 -- ARGV[1] seq   ARGV[2] maximum attempts   ARGV[3] initial interval (ms)   ARGV[4] backoff coefficient
 -- ARGV[5] maximum interval (ms)   ARGV[6] jitter in [0,1)   ARGV[7] log maxlen   ARGV[8] budget total
 -- ARGV[9] tolerated failure %   ARGV[10] actor   ARGV[11] '1' when the batch's stage is a push stage
@@ -13,6 +14,7 @@
 -- Returns {'retry'|'failed', attempt} | {'alive'} | {'held'} | {'corrupt'}
 -- Invariant: a lease is expired once: the deadline is re-checked here, and the old holder's token is
 -- void afterwards (its complete gets 'stale'), so several supervisors cannot double-recover.
+use_outbox(KEYS[#KEYS])
 local seq = ARGV[1]
 local deadline = redis.call('ZSCORE', KEYS[3], seq)
 local now = now_ms()

@@ -1,6 +1,7 @@
 -- fail.lua: a worker reports that its stage attempt failed.
 -- KEYS[1] job   KEYS[2] batch:<seq>   KEYS[3] leases   KEYS[4] failed   KEYS[5] log
 -- KEYS[6..5+S] ready:0..ready:S-1
+-- KEYS[#KEYS] events: the job's outbox, always the last key (lib.lua use_outbox)
 -- ARGV[1] lease token   ARGV[2] message   ARGV[3] '1' retryable / '0' fatal   ARGV[4] maximum attempts
 -- ARGV[5] initial interval (ms)   ARGV[6] backoff coefficient   ARGV[7] maximum interval (ms)
 -- ARGV[8] jitter in [0,1)   ARGV[9] log maxlen   ARGV[10] budget total   ARGV[11] tolerated failure %
@@ -10,6 +11,7 @@
 --       | {'corrupt'} | {'missing'}
 -- Invariant: only the current lease holder can fail an attempt; a batch out of attempts or with a fatal
 -- error fails for good and the failure budget decides the job.
+use_outbox(KEYS[#KEYS])
 local batch, refused = leased_batch(KEYS[2], KEYS[1], ARGV[1])
 if refused then
   if refused[1] == 'cancelled' then

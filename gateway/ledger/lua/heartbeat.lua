@@ -1,6 +1,7 @@
 -- heartbeat.lua: extend a live lease and store the worker's progress details; end a run past max_run.
 -- KEYS[1] job   KEYS[2] batch:<seq>   KEYS[3] leases
 -- KEYS[4] failed   KEYS[5] log   KEYS[6..5+S] ready:0..ready:S-1   (needed only with ARGV[4])
+-- KEYS[#KEYS] events: the job's outbox, always the last key (lib.lua use_outbox)
 -- ARGV[1] lease token   ARGV[2] extension (ms)   ARGV[3] progress (JSON, '' to keep)
 -- ARGV[4] the stage's max_run (ms; absent or '' = no limit)   ARGV[5] '1' when the stage is a push stage
 -- ARGV[6] '1' when a run past max_run is retryable (the stage is idempotent)   ARGV[7] maximum attempts
@@ -16,6 +17,7 @@
 -- so. A held job is not failed (it changes nothing by itself): its lease stays at the cap.
 -- Invariant: only the current holder (matching token) can extend; the deadline only moves forward,
 -- and never past start + max_run.
+use_outbox(KEYS[#KEYS])
 local batch, refused = leased_batch(KEYS[2], KEYS[1], ARGV[1])
 if refused then return refused end
 local now = now_ms()

@@ -2,6 +2,7 @@
 -- ready and a new batch may be cut, take the job's plan lock instead and say where to read.
 -- KEYS[1] job   KEYS[2] leases   KEYS[3] log   KEYS[4] failed   KEYS[5] planlock   KEYS[6] src
 -- KEYS[7..6+N] ready:<stage> of the N offered stages, in the order of ARGV[10..]
+-- KEYS[#KEYS] events: the job's outbox, always the last key (lib.lua use_outbox)
 -- ARGV[1] new lease token   ARGV[2] concurrency   ARGV[3] log maxlen   ARGV[4] budget total (batches)
 -- ARGV[5] tolerated failure %   ARGV[6] plan lock holder ('' = never plan: the first stage is not offered)
 -- ARGV[7] plan lock lifetime (ms)   ARGV[8] inline read-ahead: items of src to return from the frontier's
@@ -20,6 +21,7 @@
 -- key, '<prefix>:{<job>}:job'), since which seqs are ready is only known inside the script. They carry
 -- the job's hash tag, so they live in KEYS[1]'s slot (Redis Cluster serves undeclared keys of the
 -- script's own slot; see docs/design.md).
+use_outbox(KEYS[#KEYS])
 local job = load(KEYS[1])
 if job == false then return {'corrupt', 'job'} end
 if job == nil then return {'status', 'missing'} end

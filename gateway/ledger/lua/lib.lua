@@ -49,8 +49,30 @@ local function leased_batch(batch_key, job_key, token)
   return batch, nil
 end
 
--- Write changed fields and the new checksum in one HSET.
+-- The job's event outbox (keys.py ``JobKeys.events``). A script that may change the job's status names
+-- it with use_outbox(KEYS[n]) before its first write; save() then appends the event in the same step
+-- as the status it reports, so an event exists exactly when its state change committed.
+local OUTBOX = nil
+local function use_outbox(key) OUTBOX = key end
+
+-- Job statuses a subscriber can hear of, by event type (docs/design.md "Event webhooks").
+local JOB_EVENTS = {succeeded = 'job.succeeded', failed = 'job.failed', cancelled = 'job.cancelled',
+  paused = 'job.paused'}
+
+-- The outbox entry for a job record (it has 'n_open'; a batch has not) whose status goes from ``old``
+-- to map['status']. The event id is '<job_id>:<entry id>' (the deliverer joins them).
+local function job_event(map, old)
+  local kind = JOB_EVENTS[map['status']]
+  if map['n_open'] == nil or kind == nil or map['status'] == old then return nil end
+  if OUTBOX == nil then error('ledger script changed a job status without its outbox key') end
+  return {'type', kind, 'status', map['status'], 'from', old or '', 'at_ms', map['updated_ms'] or '',
+    'n_done', map['n_done'], 'n_failed', map['n_failed'], 'items_done', map['items_done'],
+    'error', map['error'] or ''}
+end
+
+-- Write changed fields and the new checksum in one HSET (and the job's event, see job_event).
 local function save(key, map, changes)
+  local old = map['status']
   local args = {}
   for name, value in pairs(changes) do
     map[name] = value
@@ -60,7 +82,9 @@ local function save(key, map, changes)
   map['checksum'] = nil
   args[#args + 1] = 'checksum'
   args[#args + 1] = digest(map)
+  local event = job_event(map, old)
   redis.call('HSET', key, unpack(args))
+  if event then redis.call('XADD', OUTBOX, '*', unpack(event)) end
 end
 
 local function log(key, maxlen, fields)

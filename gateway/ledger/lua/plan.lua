@@ -2,6 +2,7 @@
 -- the source is cheap to read ahead), and lease the first of them to the planner in the same step.
 -- KEYS[1] job hash   KEYS[2] ready:0   KEYS[3] log   KEYS[4] leases   KEYS[5] planlock
 -- KEYS[6..5+2K] batch:<seq>, items:<seq> pairs for seqs ARGV[1], ARGV[1]+1, ..., ARGV[1]+K-1
+-- KEYS[#KEYS] events: the job's outbox, always the last key (lib.lua use_outbox)
 -- ARGV[1] expected next_seq   ARGV[2] expected frontier (JSON)   ARGV[3] plan lock holder ('' = none)
 -- ARGV[4] log maxlen   ARGV[5] budget total (batches)   ARGV[6] tolerated failure %
 -- ARGV[7] lease token for the first batch ('' = plan only)   ARGV[8] its lease length (ms)
@@ -18,6 +19,7 @@
 -- only a batch with an end cursor can be followed by another (a batch whose fetch stage yields its end
 -- blocks the frontier); counters move by exactly the batches created (n_open + K). The plan lock is
 -- released here if ARGV[3] still holds it, whatever the answer.
+use_outbox(KEYS[#KEYS])
 if ARGV[3] ~= '' and redis.call('GET', KEYS[5]) == ARGV[3] then redis.call('DEL', KEYS[5]) end
 local job = load(KEYS[1])
 if job == false then return {'corrupt'} end
@@ -30,7 +32,7 @@ end
 local now = now_ms()
 local first = tonumber(ARGV[1])
 local count = tonumber(ARGV[10])
-if count < 1 or #KEYS ~= 5 + 2 * count or #ARGV ~= 10 + 4 * count then
+if count < 1 or #KEYS ~= 6 + 2 * count or #ARGV ~= 10 + 4 * count then
   return redis.error_reply('plan.lua: K does not match the keys and batches passed')
 end
 -- the batches must chain: only the last may end the source or leave its end to the fetch stage

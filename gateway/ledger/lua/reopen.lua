@@ -2,6 +2,7 @@
 -- script reads.
 -- KEYS[1] job   KEYS[2] leases   KEYS[3] failed   KEYS[4] log   KEYS[5] audit   KEYS[6..5+S] ready:0..S-1
 -- KEYS[6+S..] batch:<seq> for the seqs in ARGV[8..]
+-- KEYS[#KEYS] events: the job's outbox, always the last key (lib.lua use_outbox)
 -- ARGV[1] number of stages S   ARGV[2] log maxlen   ARGV[3] actor   ARGV[4] 'resume' | 'retry_failed'
 -- ARGV[5] budget total   ARGV[6] tolerated failure %
 -- ARGV[7] for retry_failed: how many seqs the caller saw in the failed set (else unused)
@@ -17,6 +18,7 @@
 -- with none failed it answers 0 and the job stays succeeded. A paused one just runs.
 -- Batches planned after the caller read the window are pending already, so nothing is missed; for
 -- retry_failed the failed set must still be what the caller read ('raced' otherwise).
+use_outbox(KEYS[#KEYS])
 local job = load(KEYS[1])
 if job == false then return {'corrupt'} end
 if job == nil then return {'missing'} end

@@ -1,10 +1,12 @@
 -- set_status.lua: move a job between statuses: pause, hold (record-only recovery), release, fail.
 -- KEYS[1] job   KEYS[2] log   KEYS[3] audit
+-- KEYS[#KEYS] events: the job's outbox, always the last key (lib.lua use_outbox)
 -- ARGV[1] new status   ARGV[2] allowed current statuses, comma separated   ARGV[3] log maxlen   ARGV[4] actor
 -- ARGV[5] reason ('' = none; stored as the job's error for 'failed', as held_reason for 'held')
 -- ARGV[6] budget total   ARGV[7] tolerated failure %
 -- Returns {'ok', old status} | {'refused', current status} | {'corrupt'} | {'missing'}
 -- Invariant: only the status (and its reason) changes; batches, leases and counters are untouched.
+use_outbox(KEYS[#KEYS])
 local job = load(KEYS[1])
 if job == false then return {'corrupt'} end
 if job == nil then return {'missing'} end

@@ -1,11 +1,13 @@
 -- source_fail.lua: reading the job's source at its frontier failed while planning the next batch.
 -- KEYS[1] job   KEYS[2] log   KEYS[3] audit
+-- KEYS[#KEYS] events: the job's outbox, always the last key (lib.lua use_outbox)
 -- ARGV[1] message   ARGV[2] '1' retryable / '0' not   ARGV[3] maximum attempts   ARGV[4] initial interval (ms)
 -- ARGV[5] backoff coefficient   ARGV[6] maximum interval (ms)   ARGV[7] jitter in [0,1)   ARGV[8] log maxlen
 -- Returns {'retry', retry_at_ms, failures} | {'wait', retry_at_ms} | {'failed'} | {'status', s} | {'corrupt'}
 -- Invariant: a source that breaks is retried under the first stage's retry policy, counted once per
 -- retry window however many callers hit the failure, and then fails the job with the error; a job
 -- never waits on a broken source forever. A successful plan (plan.lua) resets the count.
+use_outbox(KEYS[#KEYS])
 local job = load(KEYS[1])
 if job == false then return {'corrupt'} end
 if job == nil then return {'status', 'missing'} end
