@@ -539,7 +539,7 @@ class Dispatcher:
         label = f"{parts.scheme}://{parts.netloc}"
         res = self.ledger.scripts.outage(
             keys=[k.job, k.batch(seq), k.leases, k.ready(stage_idx), k.log, k.audit,
-                  keys.target_breaker(tid), keys.target_waiting(tid)],
+                  keys.target_breaker(tid), keys.target_waiting(tid), k.events],
             args=[token, err.message[:500], int((err.retry_after_s or 0) * 1000), OUTAGE_FIRST_COOLDOWN_MS,
                   self._longest_cooldown_ms(err),
                   int(self.settings.outage_pause_after.total_seconds() * 1000), self.settings.log_maxlen,

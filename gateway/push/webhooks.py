@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import redis
 import requests
 
 from gateway.errors import BatchgateError
@@ -98,10 +99,19 @@ class Deliverer:
         self.stop = threading.Event()
 
     def run(self) -> None:
+        down = False
         while not self.stop.is_set():
             try:
                 self.tick()
-            except Exception:  # noqa: BLE001 - Redis down or a surprise: log it, deliver again next pass
+                if down:
+                    log.warning("webhooks: ledger redis reachable again; delivering")
+                down = False
+            except (redis.ConnectionError, redis.TimeoutError) as exc:  # waited for, like the supervisor
+                if not down:
+                    log.warning("webhooks: ledger redis unavailable (%s); deliveries wait for it",
+                                type(exc).__name__)
+                down = True
+            except Exception:  # noqa: BLE001 - a surprise: log it, deliver again next pass
                 log.exception("webhooks: a delivery pass failed; trying again")
             self.stop.wait(self.interval.total_seconds())
 

@@ -2,6 +2,7 @@
 -- registered yet): the target cools down and the batch waits for it without spending an attempt.
 -- KEYS[1] job   KEYS[2] batch:<seq>   KEYS[3] leases   KEYS[4] ready:<stage>   KEYS[5] log   KEYS[6] audit
 -- KEYS[7] target breaker hash   KEYS[8] target waiting set (job ids waiting on the target)
+-- KEYS[#KEYS] events: the job's outbox, always the last key (lib.lua use_outbox; a pause is an event)
 -- ARGV[1] lease token   ARGV[2] message   ARGV[3] minimum cooldown (ms; Retry-After, 0 = none)
 -- ARGV[4] first cooldown (ms)   ARGV[5] longest cooldown (ms)   ARGV[6] pause the job after (ms)
 -- ARGV[7] log maxlen   ARGV[8] target label (scheme://host:port)   ARGV[9] job id
@@ -12,6 +13,7 @@
 -- Calls that fail together while the breaker is already cooling do not double the cooldown again.
 -- Invariant: the batch's attempt is not spent (unspent + 1 balances the lease's attempt + 1); a job
 -- whose target stayed down past ARGV[6] is paused with the reason, never failed.
+use_outbox(KEYS[#KEYS])
 local batch, refused = leased_batch(KEYS[2], KEYS[1], ARGV[1])
 if refused then return refused end
 local job = load(KEYS[1])
