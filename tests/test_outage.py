@@ -131,6 +131,9 @@ def test_a_target_down_past_outage_pause_after_pauses_the_job_with_the_reason(pu
     reason = paused[-1]["reason"] if paused else ""
     assert "unavailable for" in reason and f"127.0.0.1:{port}" in reason
     assert spent(ledger, job_id, 0) == 0
+    # the pause is an event, appended by the same script (subscribers hear of it)
+    events = [f for _, f in ledger.r.xrange(ledger.keys.job(job_id).events)]
+    assert [(e["type"], e["from"]) for e in events] == [("job.paused", "running")]
 
 
 def test_503_waits_for_an_idempotent_stage_but_is_may_have_run_for_one_that_is_not(push, make_job, api):
