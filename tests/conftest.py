@@ -92,3 +92,17 @@ def api(settings, redis_client):
     base, stop = serve_app(create_app(settings, redis_client))
     yield ApiClient(base, TOKEN)
     stop()
+
+
+#: Test files that take minutes, started first: the suite runs files in parallel worker processes
+#: (scripts/test, pytest-xdist --dist loadfile, files handed out in collection order), and one of these
+#: collected last (test_soak sorts late) left a single worker running it alone for minutes at the end.
+LONGEST_FIRST = ("test_chaos.py", "test_soak.py", "test_ledger_model.py", "test_stale_connections.py",
+                 "test_openapi.py", "test_push_e2e.py", "test_schemathesis.py", "test_deploy.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Longest files first (a stable sort: every other test keeps its place; the order is the same in
+    every worker, as xdist requires)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
