@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import requests
@@ -48,3 +49,26 @@ class ApiClient:
 
     def delete(self, path: str, **kwargs: Any) -> requests.Response:
         return self.request("DELETE", path, **kwargs)
+
+
+@contextmanager
+def gunicorn_api(redis_url: str, data_dir: Any, tokens: dict[str, str], workers: int = 2,
+                 flow: dict | None = None, **env: str) -> Iterator[str]:
+    """``batchgate``'s API under a real gunicorn (``workers`` processes) on ``redis_url``; yields its
+    base URL once healthy, with ``flow`` registered (by the first token's tenant) when given."""
+    from gateway.ledger.embedded import free_port
+    from gateway.runtime import procs
+    from gateway.settings import Settings
+
+    child_env = {**procs.child_env(Settings(data_dir=data_dir), redis_url, tokens), **env}
+    port = free_port()
+    proc = procs.start_api(child_env, "127.0.0.1", port, workers=workers)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        procs.wait_healthy(base, proc=proc)
+        if flow is not None:
+            auth = {"Authorization": f"Bearer {next(iter(tokens))}"}
+            assert requests.post(f"{base}/v1/flows", json=flow, headers=auth, timeout=30).status_code == 201
+        yield base
+    finally:
+        procs.stop(proc)

@@ -15,16 +15,14 @@ import pytest
 import requests
 
 from gateway.api.app import create_app
-from gateway.ledger.embedded import free_port
 from gateway.ledger.keys import Keys
 from gateway.ledger.jobs import new_job_id
 from gateway.ledger import quotas as quotas_module
 from gateway.ledger.quotas import Quotas
 from gateway.ledger.scripts import source
-from gateway.runtime import procs
 from gateway.settings import TenantQuota
 from tests.conftest import OTHER_TOKEN, TOKEN
-from tests.http import ApiClient, serve_app
+from tests.http import ApiClient, gunicorn_api, serve_app
 
 FLOW = {"id": "f", "version": "1", "stages": [{"name": "score"}], "batching": {"max_items": 5},
         "source": {"type": "sequence", "count": 1000}}
@@ -203,17 +201,10 @@ def test_quota_script_checks_both_quotas_before_writing(redis_client, settings):
 def test_active_jobs_quota_holds_across_gunicorn_workers(redis_server, redis_client, tmp_path):
     """20 concurrent creations, each on its own connection, against 2 gunicorn workers: exactly the
     quota's 5 are created."""
-    from gateway.settings import Settings
-
-    env = procs.child_env(Settings(data_dir=tmp_path), redis_server.url, {TOKEN: "acme"})
-    env["BATCHGATE_QUOTA_OVERRIDES"] = '{"acme": {"active_jobs": 5}}'
-    port = free_port()
-    proc = procs.start_api(env, "127.0.0.1", port, workers=2)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        procs.wait_healthy(base, proc=proc)
+    overrides = '{"acme": {"active_jobs": 5}}'
+    with gunicorn_api(redis_server.url, tmp_path, {TOKEN: "acme"}, flow=FLOW,
+                      BATCHGATE_QUOTA_OVERRIDES=overrides) as base:
         auth = {"Authorization": f"Bearer {TOKEN}"}
-        assert requests.post(f"{base}/v1/flows", json=FLOW, headers=auth, timeout=30).status_code == 201
         statuses: list[int] = []
         go = threading.Barrier(20)
 
@@ -229,8 +220,6 @@ def test_active_jobs_quota_holds_across_gunicorn_workers(redis_server, redis_cli
             t.join()
         assert sorted(statuses) == [201] * 5 + [429] * 15
         assert redis_client.zcard("bg:jobs:acme") == 5
-    finally:
-        procs.stop(proc)
 
 
 def test_zero_means_no_limit_and_nothing_is_counted(serve, redis_client):

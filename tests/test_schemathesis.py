@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import requests
 import schemathesis
 from schemathesis.checks import positive_data_acceptance
 
@@ -64,24 +63,13 @@ def _documented(case, response) -> bool:
 @pytest.fixture(scope="module")
 def stack(redis_server, tmp_path_factory):
     """gunicorn (2 workers) on the test Redis, the documented example flow registered."""
-    from gateway.ledger.embedded import client_for, free_port
-    from gateway.runtime import procs
-    from gateway.settings import Settings
+    from gateway.ledger.embedded import client_for
     from tests.conftest import TOKEN
+    from tests.http import gunicorn_api
 
     client_for(redis_server.url).flushdb()
-    port = free_port()
-    env = procs.child_env(Settings(data_dir=tmp_path_factory.mktemp("st")), redis_server.url,
-                          {TOKEN: "acme"})
-    proc = procs.start_api(env, "127.0.0.1", port, workers=2)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        procs.wait_healthy(base, proc=proc)
-        auth = {"Authorization": f"Bearer {TOKEN}"}
-        assert requests.post(f"{base}/v1/flows", json=FLOW, headers=auth, timeout=30).status_code == 201
+    with gunicorn_api(redis_server.url, tmp_path_factory.mktemp("st"), {TOKEN: "acme"}, flow=FLOW) as base:
         yield base, TOKEN
-    finally:
-        procs.stop(proc)
 
 
 def test_every_schemathesis_check_passes(stack, tmp_path):

@@ -42,11 +42,12 @@ from typing import Any
 import redis
 
 from gateway.errors import BatchgateError
+from gateway.ledger.embedded import REDIS_DOWN as LEDGER_DOWN
 
 log = logging.getLogger(__name__)
 
-#: What "Redis is unavailable" looks like to redis-py (BusyLoadingError is a ConnectionError).
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError)
+#: Unavailable for a commit: down or restarting (embedded.REDIS_DOWN), or a replica after a failover.
+REDIS_DOWN = (*LEDGER_DOWN, redis.exceptions.ReadOnlyError)
 REPLAY_PAUSE_MIN_S = 0.05
 REPLAY_PAUSE_MAX_S = 1.0
 

@@ -33,6 +33,10 @@ from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
 
+#: What "the ledger's Redis is unavailable" looks like to redis-py (down, restarting, or loading its AOF:
+#: BusyLoadingError is a ConnectionError): the processes wait for it rather than fail.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
 STATE_FILE = "redis.json"
 LOCK_FILE = "up.lock"
 DISABLED_COMMANDS = ("CONFIG", "DEBUG", "MODULE")

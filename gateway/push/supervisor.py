@@ -18,9 +18,9 @@ import threading
 import time
 from typing import Any
 
-import redis
 
 from gateway.errors import BatchgateError, Conflict, CorruptRecord, NotFound
+from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.generation import Generation
 from gateway.ledger.ledger import Ledger
 from gateway.push.webhooks import Deliverer
@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 RECOVERY_CLAIM_MS = 60_000
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # ConnectionError covers BusyLoadingError
 RETRY_MAX_S = 2.0  # longest wait between two tries at start while Redis is down
 REDIS_DOWN_LOG_S = 30.0  # while Redis stays down, one warning this often
 

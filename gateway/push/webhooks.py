@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import redis
 import requests
 
 from gateway.errors import BatchgateError
+from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.events import SubscriptionStore, entry_ms, event_id
 from gateway.ledger.ledger import Ledger
 from gateway.net.outbound import session_for
@@ -106,7 +106,7 @@ class Deliverer:
                 if down:
                     log.warning("webhooks: ledger redis reachable again; delivering")
                 down = False
-            except (redis.ConnectionError, redis.TimeoutError) as exc:  # waited for, like the supervisor
+            except REDIS_DOWN as exc:  # waited for, like the supervisor
                 if not down:
                     log.warning("webhooks: ledger redis unavailable (%s); deliveries wait for it",
                                 type(exc).__name__)
