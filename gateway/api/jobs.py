@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from urllib.parse import urlencode
 
 import redis
 from flask import Blueprint, current_app, g, jsonify, request
@@ -10,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.api.common import idempotent, json_body, query_int, request_services
 from gateway.errors import InvalidRequest
+from gateway.ledger.joblist import parse_query
 from gateway.ledger.jobs import JobRequest, MigrateRequest, ResumeRequest, new_job_id
 from gateway.ledger.migrate import settle
 from gateway.ledger.quotas import Quotas
@@ -52,8 +54,17 @@ def create():
 
 @bp.get("")
 def list_jobs():
-    limit = query_int("limit", 100, 1, 1000)
-    return jsonify({"jobs": request_services().jobs.list(g.tenant, request.args.get("status"), limit)})
+    """A page of the tenant's jobs (filters: status, flow_id, flow_version, created_after,
+    created_before; order; cursor), with the next page's link in ``next`` and a Link header."""
+    query = parse_query(request.args.to_dict())
+    page = request_services().jobs.list(g.tenant, query)
+    link = None
+    if page.next_cursor is not None:
+        link = f"{request.path}?{urlencode(query.link_params() | {'cursor': page.next_cursor})}"
+    resp = jsonify({"jobs": page.jobs, "next": link, "next_cursor": page.next_cursor})
+    if link is not None:
+        resp.headers["Link"] = f'<{link}>; rel="next"'
+    return resp
 
 
 @bp.get("/<job_id>")

@@ -27,6 +27,7 @@ from gateway.errors import (
     StaleLease,
 )
 from gateway.ledger.control import ControlOps
+from gateway.ledger.jobindex import Filed, JobIndex
 from gateway.ledger.jobspec import JobSpec, RedisListView
 from gateway.ledger.keys import JobKeys, Keys
 from gateway.ledger.planner import batches_per_plan, cut_batches
@@ -93,7 +94,8 @@ class Ledger(ControlOps):
         self.r = client
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
-        self.scripts = Scripts.register(client)
+        self.index = JobIndex(client, self.keys, self.spec)  # follows every job script's status change
+        self.scripts = Scripts.register(client, self.index)
         self._specs: OrderedDict[str, tuple[JobSpec, float]] = OrderedDict()  # spec, seen current at
         self._specs_lock = threading.Lock()  # gunicorn threads share the cache
         # lease.lua's KEYS and fixed ARGV per (job, stages, lease_ms), built from the cached spec
@@ -175,6 +177,10 @@ class Ledger(ControlOps):
         fields, leased = pipe.execute()
         return self._checked_job(job_id, fields), int(leased)
 
+    def checked(self, job_id: str, fields: dict[str, str]) -> dict[str, str]:
+        """A job hash read by the caller, checked against its checksum (a corrupt one is marked)."""
+        return self._checked_job(job_id, fields)
+
     def _checked_job(self, job_id: str, fields: dict[str, str]) -> dict[str, str]:
         k = self.keys.job(job_id)
         if not fields:
@@ -206,6 +212,8 @@ class Ledger(ControlOps):
         pipe.xadd(k.audit, {"event": "job_created", "cursor": cursor, "actor": f"tenant:{spec.tenant}",
                             "flow": f"{spec.flow.id}@{spec.flow.version}"})
         pipe.zadd(self.keys.jobs(spec.tenant), {spec.job_id: int(now)})
+        self.index.file(pipe, spec.tenant, spec.job_id,
+                        Filed("running", spec.flow.id, spec.flow.version, int(now)))
         pipe.sadd(self.keys.active, spec.job_id)
         pipe.execute()
         log.info("job created job_id=%s flow=%s@%s", spec.job_id, spec.flow.id, spec.flow.version)
