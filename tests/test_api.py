@@ -186,7 +186,7 @@ def test_other_tenant_cannot_see_or_touch_a_job(api, globex):
         resp = globex.request(method, path, json=body)
         problem = assert_problem(resp, 404, "not-found")
         assert "globex" not in problem["detail"] and "acme" not in problem["detail"]
-    assert globex.get("/v1/jobs").json()["jobs"] == []
+    assert globex.get("/v1/jobs").json() == {"jobs": []}
     assert globex.get("/v1/flows").json() == {"flows": []}
     assert_problem(globex.get("/v1/flows/f"), 404)
     assert_problem(globex.get("/v1/flows/f/versions/1"), 404)
@@ -199,7 +199,7 @@ def test_other_tenant_cannot_see_or_touch_a_job(api, globex):
 def test_other_tenant_cannot_start_a_job_on_a_foreign_flow(api, globex):
     register(api)
     assert_problem(globex.post("/v1/jobs", json={"flow_id": "f"}), 404)
-    assert api.get("/v1/jobs").json()["jobs"] == []
+    assert api.get("/v1/jobs").json() == {"jobs": []}
 
 
 def test_tenants_register_the_same_flow_id_independently(api, globex):
@@ -318,7 +318,7 @@ def test_idempotency_key_in_flight_is_409_then_usable(api, ledger, settings, red
     post = lambda: api.post("/v1/jobs", data=raw, headers={  # noqa: E731
         "Idempotency-Key": "slow-1", "Content-Type": "application/json"})
     assert_problem(post(), 409, "idempotency-in-flight")
-    assert api.get("/v1/jobs").json()["jobs"] == []
+    assert api.get("/v1/jobs").json() == {"jobs": []}
 
     store.abandon("acme", "slow-1")  # the first request died: the key is free again
     assert post().status_code == 201
@@ -352,7 +352,7 @@ def test_unknown_flow_or_version_is_404(api):
     register(api)
     assert_problem(api.post("/v1/jobs", json={"flow_id": "nope"}), 404, "not-found")
     assert_problem(api.post("/v1/jobs", json={"flow_id": "f", "flow_version": "9"}), 404)
-    assert api.get("/v1/jobs").json()["jobs"] == []
+    assert api.get("/v1/jobs").json() == {"jobs": []}
 
 
 def test_job_list_filters_by_status(api):

@@ -124,12 +124,12 @@ def test_filters_combine_order_and_page_through_the_api(api, ledger, jobs, flows
             assert resp.status_code == 200, resp.text
             body = resp.json()
             got += [j["job_id"] for j in body["jobs"]]
-            url, pages = body["next"], pages + 1
+            url, pages = body.get("next"), pages + 1
             if url:
                 assert resp.headers["Link"] == f'<{url}>; rel="next"'
-                assert parse_qs(urlparse(url).query)["cursor"] == [body["next_cursor"]]
+                assert parse_qs(urlparse(url).query)["limit"] == ["2"]
             else:
-                assert "Link" not in resp.headers and body["next_cursor"] is None
+                assert "Link" not in resp.headers and set(body) == {"jobs"}
         assert got == expected, case
         assert pages >= len(expected) // 2
     assert [j["job_id"] for j in api.get("/v1/jobs", params={"limit": 3}).json()["jobs"]] == ids[::-1][:3]
@@ -139,6 +139,7 @@ def test_bad_cursors_and_filters_are_422_problems(api, jobs, flows):
     for _ in range(3):
         create(jobs)
     first = api.get("/v1/jobs", params={"limit": 1, "status": "running"}).json()
+    first["next_cursor"] = parse_qs(urlparse(first["next"]).query)["cursor"][0]
     bad = [{"cursor": "!!!"}, {"cursor": "bm90IGEgY3Vyc29y"}, {"cursor": "x" * 500},
            {"cursor": first["next_cursor"]},  # made for status=running
            {"cursor": first["next_cursor"], "status": "running", "order": "oldest"},

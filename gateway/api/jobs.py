@@ -55,15 +55,16 @@ def create():
 @bp.get("")
 def list_jobs():
     """A page of the tenant's jobs (filters: status, flow_id, flow_version, created_after,
-    created_before; order; cursor), with the next page's link in ``next`` and a Link header."""
+    created_before; order; cursor). While another page follows, its link is in ``next`` and in a
+    ``Link: <...>; rel="next"`` header; the last page has neither (the body stays ``{"jobs": [...]}``
+    for clients written before paging)."""
     query = parse_query(request.args.to_dict())
     page = request_services().jobs.list(g.tenant, query)
-    link = None
-    if page.next_cursor is not None:
-        link = f"{request.path}?{urlencode(query.link_params() | {'cursor': page.next_cursor})}"
-    resp = jsonify({"jobs": page.jobs, "next": link, "next_cursor": page.next_cursor})
-    if link is not None:
-        resp.headers["Link"] = f'<{link}>; rel="next"'
+    if page.next_cursor is None:
+        return jsonify({"jobs": page.jobs})
+    link = f"{request.path}?{urlencode(query.link_params() | {'cursor': page.next_cursor})}"
+    resp = jsonify({"jobs": page.jobs, "next": link})
+    resp.headers["Link"] = f'<{link}>; rel="next"'
     return resp
 
 
