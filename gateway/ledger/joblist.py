@@ -187,22 +187,26 @@ def _verified(service: Any, tenant: str, key: str, query: ListQuery,
     ids = [job_of(e) for e in entries]
     pipe = ledger.r.pipeline(transaction=True)  # one instant: a view never shows a lease its counts lack
     meta = ledger.keys.job_index_meta(tenant)
+    cached = {job_id: ledger.fresh_spec(job_id) for job_id in ids}
     for job_id in ids:
         k = ledger.keys.job(job_id)
         pipe.hgetall(k.job)
         pipe.zcard(k.leases)
         pipe.hget(meta, job_id)
-    replies = pipe.execute()
+        if cached[job_id] is None:  # specs this process has not seen lately: read in the same trip
+            pipe.hgetall(k.spec)
+    replies = iter(pipe.execute())
     views: list[dict[str, Any] | None] = []
     gone: list[tuple[str, str, str]] = []
-    for i, (entry, job_id) in enumerate(zip(entries, ids)):
-        job, leased, filed = replies[3 * i:3 * i + 3]
+    for entry, job_id in zip(entries, ids):
+        job, leased, filed = next(replies), next(replies), next(replies)
+        spec_fields = next(replies) if cached[job_id] is None else None
         if not job:
             gone.append((job_id, filed, entry))
             views.append(None)
             continue
         try:
-            spec = ledger.spec(job_id)
+            spec = cached[job_id] or ledger.spec_from(job_id, spec_fields)
         except NotFound:
             gone.append((job_id, filed, entry))
             views.append(None)

@@ -139,7 +139,17 @@ class Ledger(ControlOps):
                 self._specs[job_id] = (cached[0], now)
                 self._specs.move_to_end(job_id)
             return cached[0]
-        fields = self.r.hgetall(self.keys.job(job_id).spec)
+        return self.spec_from(job_id, self.r.hgetall(self.keys.job(job_id).spec))
+
+    def fresh_spec(self, job_id: str) -> JobSpec | None:
+        """The cached spec if it was seen current within SPEC_RECHECK_S (no round trip), else None."""
+        with self._specs_lock:
+            cached = self._specs.get(job_id)
+        return cached[0] if cached is not None and time.monotonic() - cached[1] < SPEC_RECHECK_S else None
+
+    def spec_from(self, job_id: str, fields: dict[str, str]) -> JobSpec:
+        """The spec from its hash as just read (cached), or NotFound / CorruptRecord as spec() says;
+        lets a caller read many specs in one pipeline (the job listing)."""
         if not fields:
             raise NotFound(f"job {job_id} not found")
         if not intact(fields):
@@ -147,7 +157,7 @@ class Ledger(ControlOps):
             raise CorruptRecord(f"job {job_id} spec failed its checksum; it will not run")
         spec = JobSpec.from_fields(fields)
         with self._specs_lock:
-            self._specs[job_id] = (spec, now)
+            self._specs[job_id] = (spec, time.monotonic())
             while len(self._specs) > self.spec_cache:
                 self._specs.popitem(last=False)
         return spec
