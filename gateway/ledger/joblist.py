@@ -35,26 +35,33 @@ from gateway.validation import problem_errors
 MAX_ROUNDS = 20  # index reads per request while entries turn out stale; then the page ends early
 _MEMBER = re.compile(r"[0-9]{13}:job_[A-Za-z0-9_-]{1,60}")
 MS_MAX = 10**13 - 1  # 13 digits: the index member's time field (until the year 2286)
+#: created_after / created_before: epoch milliseconds, or an ISO 8601 date or date-time (openapi.py)
+TIME = (r"^([0-9]{1,13}|[0-9]{4}-[0-9]{2}-[0-9]{2}(T[0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]{1,6})?)?"
+        r"(Z|[+-][0-9]{2}:[0-9]{2})?)?)$")
+CURSOR = r"^[A-Za-z0-9_-]{1,400}$"
+_TIME = re.compile(TIME)
 
 
 def _epoch_ms(value: Any) -> int | None:
     """Milliseconds since the epoch from an integer (string) or an ISO 8601 time (UTC if no zone)."""
-    if value is None or value == "":
+    if value is None:
         return None
-    if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+    if isinstance(value, int) and not isinstance(value, bool):
+        ms = value
+    elif not isinstance(value, str) or not _TIME.fullmatch(value):
+        raise ValueError("must be epoch milliseconds or an ISO 8601 time such as 2026-01-31T12:00:00Z")
+    elif value.isdigit():
         ms = int(value)
-    elif isinstance(value, str):
+    else:
         try:
             when = datetime.fromisoformat(value)
         except ValueError:
-            raise ValueError("must be epoch milliseconds or an ISO 8601 time") from None
+            raise ValueError("is not a real date and time") from None
         if when.tzinfo is None:
             when = when.replace(tzinfo=timezone.utc)
         ms = int(when.timestamp() * 1000)
-    else:
-        raise ValueError("must be epoch milliseconds or an ISO 8601 time")
     if not 0 <= ms <= MS_MAX:
-        raise ValueError("is out of range")
+        raise ValueError("is out of range (1970 to 2286)")
     return ms
 
 
@@ -69,7 +76,7 @@ class ListQuery(BaseModel):
     created_after: int | None = Field(default=None, description="at or after (ms or ISO 8601)")
     created_before: int | None = Field(default=None, description="before (ms or ISO 8601)")
     order: Literal["newest", "oldest"] = "newest"
-    cursor: str | None = Field(default=None, max_length=400)
+    cursor: str | None = Field(default=None, pattern=CURSOR)
     limit: int = Field(default=100, ge=1, le=1000)
 
     @field_validator("status")
@@ -155,7 +162,7 @@ def list_jobs(service: Any, tenant: str, query: ListQuery) -> Page:
     newest = query.order == "newest"
     lo = f"[{query.created_after:013d}" if query.created_after is not None else "-"
     hi = f"({query.created_before:013d}" if query.created_before is not None else "+"
-    if query.cursor:
+    if query.cursor is not None:
         entry = decode_cursor(query.cursor, query)
         hi, lo = (f"({entry}", lo) if newest else (hi, f"({entry}")
     out: list[dict[str, Any]] = []
