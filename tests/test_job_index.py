@@ -374,3 +374,33 @@ def test_redis_restarted_from_its_aof_keeps_the_index(tmp_path):
         assert listed(JobService(ledger, registry), "acme", status="paused") == [ids[1]]
     finally:
         server.stop()
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+
+def test_cli_lists_with_filters_and_pages_and_reindex_rebuilds(api, ledger, jobs, flows, monkeypatch, capsys,
+                                                               redis_server):
+    from gateway.runtime.cli import main
+    from tests.conftest import TOKEN
+
+    monkeypatch.setenv("BATCHGATE_TOKEN", TOKEN)
+    ids = [create(jobs, "f", "2"), create(jobs), create(jobs)]
+    ledger.pause(ids[0], "t")
+
+    def cli(*argv: str) -> tuple[int, str, str]:
+        code = main(["jobs", "list", "--url", api.base, *argv])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    code, out, err = cli("--limit", "2")
+    assert code == 0 and len(out.splitlines()) == 2 and "--all" in err
+    code, out, err = cli("--limit", "2", "--all")
+    assert [line.split()[0] for line in out.splitlines()] == ids[::-1] and err == ""
+    code, out, _ = cli("--flow", "f@2", "--status", "paused", "--oldest")
+    assert [line.split()[0] for line in out.splitlines()] == [ids[0]]
+    for key in ledger.r.scan_iter(ledger.keys.job_index_pattern("acme")):
+        ledger.r.delete(key)
+    monkeypatch.setenv("BATCHGATE_REDIS_URL", redis_server.url)
+    assert main(["reindex"]) == 0
+    assert "acme: 3 jobs filed" in capsys.readouterr().out
+    assert_indexed(ledger)
