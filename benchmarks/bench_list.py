@@ -3,8 +3,8 @@
 Run: .venv/bin/python benchmarks/bench_list.py [--jobs 100000] [--real 2000] [--skip-old-100k]
 
 Set-up (honest about what is synthetic): ``--real`` jobs are created through the real create path
-(JobService.create: spec, record, roster, index), over 6 flow versions; a few of them are held, paused
-and cancelled through the real control scripts. The rest are clones of those records: a real job's
+(JobService.create: spec, record, roster, index), over 6 flow versions; some of them are paused and
+cancelled through the real control scripts, and the 5 oldest running jobs (clones) are held through them. The rest are clones of those records: a real job's
 spec hash with a new job id and its job hash with a new id, creation time (spread over 30 days), status
 (45% running, 40% succeeded, 8% failed, 4% paused, 3% cancelled) and checksum, filed in the index by
 the same ``JobIndex.file`` the ledger uses. Clones have no log, audit or batches: the list path reads
@@ -153,6 +153,10 @@ def main() -> None:
         hold_oldest(service, "small", 1)
         total = ledger.r.zcard(ledger.keys.jobs("bench"))
         mem = ledger.r.info("memory")["used_memory"]
+        index_bytes = sum(ledger.r.memory_usage(key) or 0
+                          for key in ledger.r.scan_iter(ledger.keys.job_index_pattern("bench"), count=1000))
+        print(f"index memory: {index_bytes / 2**20:,.1f} MiB, {index_bytes / total:,.0f} B per job "
+              "(MEMORY USAGE of the tenant's index keys)")
         print(f"set-up: {args.real:,} real jobs in {t_real:.1f} s, {total:,} in all in {t_all:.1f} s; "
               f"Redis used_memory {mem / 2**20:,.0f} MiB (index included)")
 
