@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from urllib.parse import urlencode
 
 import redis
 from flask import Blueprint, current_app, g, jsonify, request
@@ -10,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.api.common import idempotent, json_body, query_int, request_services
 from gateway.errors import InvalidRequest
+from gateway.ledger.joblist import parse_query
 from gateway.ledger.jobs import JobRequest, MigrateRequest, ResumeRequest, new_job_id
 from gateway.ledger.migrate import settle
 from gateway.ledger.quotas import Quotas
@@ -52,8 +54,18 @@ def create():
 
 @bp.get("")
 def list_jobs():
-    limit = query_int("limit", 100, 1, 1000)
-    return jsonify({"jobs": request_services().jobs.list(g.tenant, request.args.get("status"), limit)})
+    """A page of the tenant's jobs (filters: status, flow_id, flow_version, created_after,
+    created_before; order; cursor). While another page follows, its link is in ``next`` and in a
+    ``Link: <...>; rel="next"`` header; the last page has neither (the body stays ``{"jobs": [...]}``
+    for clients written before paging)."""
+    query = parse_query(request.args.to_dict())
+    page = request_services().jobs.list(g.tenant, query)
+    if page.next_cursor is None:
+        return jsonify({"jobs": page.jobs})
+    link = f"{request.path}?{urlencode(query.link_params() | {'cursor': page.next_cursor})}"
+    resp = jsonify({"jobs": page.jobs, "next": link})
+    resp.headers["Link"] = f'<{link}>; rel="next"'
+    return resp
 
 
 @bp.get("/<job_id>")

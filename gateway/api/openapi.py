@@ -21,7 +21,8 @@ from gateway.api.jobs import CancelRequest
 from gateway.api.pull import CompleteRequest, FailRequest, HeartbeatRequest, LeaseRequest
 from gateway.api.subscriptions import SubscriptionRequest
 from gateway.ledger.events import EVENT_TYPES
-from gateway.ledger.flows import FlowSpec
+from gateway.ledger import joblist
+from gateway.ledger.flows import NAME, FlowSpec
 from gateway.ledger.jobs import BATCH_STATUSES, STATUSES, JobRequest, MigrateRequest, ResumeRequest
 from gateway.validation import MAX_DEPTH
 
@@ -157,7 +158,9 @@ VIEW_SCHEMAS: dict[str, Any] = {
                                retry_at_ms=_nullable(INT))),
         bytes_done=_nullable(INT), bytes_total=_nullable(INT),
         created_ms=INT, updated_ms=INT, finished_ms=_nullable(INT)),
-    "JobList": _obj(["jobs"], jobs={"type": "array", "items": _ref("JobView")}),
+    "JobList": _obj(["jobs"], jobs={"type": "array", "items": _ref("JobView")},
+                    next={"type": "string", "description": "the next page (the same filters and a cursor); "
+                          "absent on the last page, as is the Link: <...>; rel=\"next\" header"}),
     "MigratedJob": {"allOf": [_ref("JobView"), _obj(["migration"], migration=_obj(
         ["from", "to", "spec_gen"], spec_gen=INT, **{
             end: _obj(["version", "hash"], version=STR, hash=STR) for end in ("from", "to")}))]},
@@ -297,6 +300,25 @@ LIMIT = _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}, "at 
 LOG_ID = f"^({jobs.LOG_ID})$"
 AFTER_ID = _query("after", {"type": "string", "pattern": LOG_ID},
                   "a log entry id (1700000000000-0): entries after it")
+LIST_PARAMS = (
+    _query("status", {"enum": list(STATUSES)}, "only jobs in this status"),
+    _query("flow_id", {"type": "string", "pattern": NAME}, "only jobs of this flow"),
+    _query("flow_version", {"type": "string", "pattern": NAME}, "only this version of flow_id"),
+    _query("created_after", {"type": "string", "pattern": joblist.TIME},
+           "created at or after: epoch milliseconds or ISO 8601 (UTC if no zone)"),
+    _query("created_before", {"type": "string", "pattern": joblist.TIME},
+           "created before: epoch milliseconds or ISO 8601 (UTC if no zone)"),
+    _query("order", {"enum": ["newest", "oldest"]}, "newest first (the default) or oldest first"),
+    _query("cursor", {"type": "string", "pattern": joblist.CURSOR},
+           "where the previous page ended, from its next link; only with the same filters"),
+    LIMIT)
+LIST_RULES = (
+    Rule("flow_version is given only with flow_id", "invalid-request", "flow_version needs flow_id"),
+    Rule("created_after is before created_before; both are real times from 1970 to 2286",
+         "invalid-request", r"created_after must be before|is not a real date|is out of range"),
+    Rule("a cursor is one a listing returned, used with the same filters and order", "invalid-request",
+         r"^cursor "),
+)
 LOG_LIMIT = _query("limit", {"type": "integer", "minimum": 1, "maximum": 10_000}, "at most this many")
 IDEMPOTENCY_KEY = {"name": "Idempotency-Key", "in": "header", "required": False,
                    "schema": {"type": "string", "minLength": 1, "maxLength": 255},
@@ -323,9 +345,8 @@ ROUTES: tuple[Route, ...] = (
           {204: ("retired", None)}, (404,), params=(FLOW, VERSION), tags=("flows",)),
     Route("post", "/v1/jobs", "Create a job", {201: ("created", "JobView")}, (*BODY, 404, 409, 429),
           body=JobRequest, params=(IDEMPOTENCY_KEY,), tags=("jobs",), rules=JOB_RULES),
-    Route("get", "/v1/jobs", "Jobs, newest first", {200: ("jobs", "JobList")}, (422,),
-          params=(_query("status", {"enum": list(STATUSES)}, "only jobs in this status"), LIMIT),
-          tags=("jobs",)),
+    Route("get", "/v1/jobs", "Jobs, newest first (or oldest), filtered, paged by an opaque cursor",
+          {200: ("jobs", "JobList")}, (422,), params=LIST_PARAMS, tags=("jobs",), rules=LIST_RULES),
     Route("get", "/v1/jobs/{job_id}", "A job's status, cursor, counts and progress",
           {200: ("the job", "JobView")}, (404, 409), params=(JOB,), tags=("jobs",)),
     Route("get", "/v1/jobs/{job_id}/batches", "Batch summaries in seq order",

@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 import chunker
 from gateway.errors import CorruptRecord, FlowVersionMismatch, InvalidRequest, NotFound, shown
 from gateway.ledger.flows import NAME, FlowRegistry, FlowSpec, validate_source
+from gateway.ledger.jobindex import STATUSES as STATUSES  # re-exported (openapi)
+from gateway.ledger.joblist import ListQuery, Page, list_jobs
 from gateway.ledger.jobspec import JobSpec, initial_cursor, open_source, probe_source, total_hint
 from gateway.ledger.ledger import ABSENT, Ledger
 from gateway.ledger.migrate import migrate, settle
@@ -19,9 +21,7 @@ from gateway.ledger.planner import check_batch_bound
 from gateway.ledger.progress import progress_of
 from gateway.ledger.records import loads_or_none
 
-STATUSES = ("running", "paused", "held", "waiting_human", "succeeded", "failed", "cancelled")
 BATCH_STATUSES = ("pending", "leased", "completed", "failed", "superseded")
-LIST_PAGE = 200  # job ids read from a tenant's index at a time
 
 
 class JobRequest(BaseModel):
@@ -112,6 +112,11 @@ class JobService:
         """Status, committed cursor, batch counts, progress, rate and ETA."""
         spec = self.owned_spec(tenant, job_id)
         job, leased = self.ledger.job_and_leases(job_id)
+        return self.render(spec, job_id, job, leased)
+
+    @staticmethod
+    def render(spec: JobSpec, job_id: str, job: dict[str, str], leased: int) -> dict[str, Any]:
+        """The view of a job from its spec, its (checked) record and its number of leased batches."""
         done, total = int(job["items_done"]), spec.total_hint
         created, updated = int(job["created_ms"]), int(job["updated_ms"])
         elapsed_s = max((updated - created) / 1000, 1e-3)
@@ -160,38 +165,9 @@ class JobService:
         }
         return view | progress_of(spec, job)  # files: progress and ETA by bytes
 
-    def list(self, tenant: str, status: str | None, limit: int) -> list[dict[str, Any]]:
-        """Newest first, optionally only jobs in ``status``."""
-        if status is not None and status not in STATUSES:
-            raise InvalidRequest(f"status must be one of {', '.join(STATUSES)}")
-        index = self.ledger.keys.jobs(tenant)
-        out: list[dict[str, Any]] = []
-        start, previous = 0, set()
-        while len(out) < limit:  # page by page: the index holds every job the tenant ever made
-            ids = self.ledger.r.zrevrange(index, start, start + LIST_PAGE - 1)
-            if not ids:
-                break
-            gone = []
-            for job_id in ids:
-                if job_id in previous:  # pushed down a page by jobs created meanwhile
-                    continue
-                try:
-                    view = self.view(tenant, job_id)
-                except NotFound:  # its retention ran out: the index forgets it too
-                    gone.append(job_id)
-                    continue
-                except CorruptRecord:
-                    continue
-                if status is None or view["status"] == status:
-                    out.append(view)
-                    if len(out) >= limit:
-                        break
-            if gone:  # and the quota's active set (quotas.py): they no longer count
-                self.ledger.r.zrem(index, *gone)
-                self.ledger.r.srem(self.ledger.keys.quota_active(tenant), *gone)
-            start += len(ids) - len(gone)
-            previous = set(ids)
-        return out
+    def list(self, tenant: str, query: ListQuery) -> Page:
+        """One page of the tenant's jobs, filtered and ordered by the job index (joblist.py)."""
+        return list_jobs(self, tenant, query)
 
     def batches(self, tenant: str, job_id: str, status: str | None, after: int,
                 limit: int) -> list[dict[str, Any]]:

@@ -33,7 +33,19 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
 ===================================  ======  ===============================================
 ``<p>:flow:<tenant>:<id>:<version>``  hash    a registered flow version (definition, hash)
 ``<p>:flows:<tenant>``                zset    ``<id>:<version>`` by registration time
-``<p>:jobs:<tenant>``                 zset    job ids by creation time (ms)
+``<p>:jobs:<tenant>``                 zset    job ids by creation time (ms): the tenant's roster
+                                              (create_job; quotas.py; the job index rebuilds from it)
+``<p>:jobidx:{<tenant>}:all``         zset    the job index (jobindex.py): members
+                                              ``<created ms, 13 digits>:<job id>``, all scored 0
+                                              (read by lex range: time window and cursor in one)
+``<p>:jobidx:{<tenant>}:s:<status>``  zset    the same, only jobs whose job hash is in ``status``
+``<p>:jobidx:{<tenant>}:f:<flow>``    zset    only jobs of flow ``<flow>`` (any version); also
+                                              ``...:f:<flow>:v:<version>``, ``...:s:<status>:f:<flow>``
+                                              and ``...:s:<status>:f:<flow>:v:<version>``: one key
+                                              per filter combination, so every listing is one range
+``<p>:jobidx:{<tenant>}:meta``        hash    job id -> where the index filed it (``status flow
+                                              version created_ms``); written with the zsets in one
+                                              MULTI; no expiry (listing drops retired jobs)
 ``<p>:active``                        set     job ids the supervisor watches
 ``<p>:idem:<tenant>:<sha256>``        hash    Idempotency-Key record; TTL ``idempotency_ttl``
 ``<p>:idemclaim:<tenant>:<sha256>``   string  first claim of that key (request fingerprint)
@@ -157,6 +169,30 @@ class Keys:
 
     def jobs(self, tenant: str) -> str:
         return f"{self.prefix}:jobs:{tenant}"
+
+    def job_index(self, tenant: str, status: str | None = None, flow_id: str | None = None,
+                  flow_version: str | None = None) -> str:
+        """The job index zset for one filter combination (a version only with its flow)."""
+        parts = [f"{self.prefix}:jobidx:{{{tenant}}}"]
+        if status is not None:
+            parts += ["s", status]
+        if flow_id is not None:
+            parts += ["f", flow_id]
+            if flow_version is not None:
+                parts += ["v", flow_version]
+        return ":".join(parts) if len(parts) > 1 else f"{parts[0]}:all"
+
+    @property
+    def jobs_pattern(self) -> str:
+        """SCAN pattern of every tenant's roster (``jobs``; the job index rebuild only)."""
+        return f"{self.prefix}:jobs:*"
+
+    def job_index_meta(self, tenant: str) -> str:
+        return f"{self.prefix}:jobidx:{{{tenant}}}:meta"
+
+    def job_index_pattern(self, tenant: str) -> str:
+        """SCAN pattern of every job index key of ``tenant`` (rebuild only)."""
+        return f"{self.prefix}:jobidx:{{{tenant}}}:*"
 
     @property
     def active(self) -> str:

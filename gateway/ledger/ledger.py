@@ -27,6 +27,7 @@ from gateway.errors import (
     StaleLease,
 )
 from gateway.ledger.control import ControlOps
+from gateway.ledger.jobindex import Filed, JobIndex
 from gateway.ledger.jobspec import JobSpec, RedisListView
 from gateway.ledger.keys import JobKeys, Keys
 from gateway.ledger.planner import batches_per_plan, cut_batches
@@ -93,7 +94,8 @@ class Ledger(ControlOps):
         self.r = client
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
-        self.scripts = Scripts.register(client)
+        self.index = JobIndex(client, self.keys, self.spec)  # follows every job script's status change
+        self.scripts = Scripts.register(client, self.index)
         self._specs: OrderedDict[str, tuple[JobSpec, float]] = OrderedDict()  # spec, seen current at
         self._specs_lock = threading.Lock()  # gunicorn threads share the cache
         # lease.lua's KEYS and fixed ARGV per (job, stages, lease_ms), built from the cached spec
@@ -137,7 +139,17 @@ class Ledger(ControlOps):
                 self._specs[job_id] = (cached[0], now)
                 self._specs.move_to_end(job_id)
             return cached[0]
-        fields = self.r.hgetall(self.keys.job(job_id).spec)
+        return self.spec_from(job_id, self.r.hgetall(self.keys.job(job_id).spec))
+
+    def fresh_spec(self, job_id: str) -> JobSpec | None:
+        """The cached spec if it was seen current within SPEC_RECHECK_S (no round trip), else None."""
+        with self._specs_lock:
+            cached = self._specs.get(job_id)
+        return cached[0] if cached is not None and time.monotonic() - cached[1] < SPEC_RECHECK_S else None
+
+    def spec_from(self, job_id: str, fields: dict[str, str]) -> JobSpec:
+        """The spec from its hash as just read (cached), or NotFound / CorruptRecord as spec() says;
+        lets a caller read many specs in one pipeline (the job listing)."""
         if not fields:
             raise NotFound(f"job {job_id} not found")
         if not intact(fields):
@@ -145,7 +157,7 @@ class Ledger(ControlOps):
             raise CorruptRecord(f"job {job_id} spec failed its checksum; it will not run")
         spec = JobSpec.from_fields(fields)
         with self._specs_lock:
-            self._specs[job_id] = (spec, now)
+            self._specs[job_id] = (spec, time.monotonic())
             while len(self._specs) > self.spec_cache:
                 self._specs.popitem(last=False)
         return spec
@@ -174,6 +186,10 @@ class Ledger(ControlOps):
         pipe.zcard(k.leases)
         fields, leased = pipe.execute()
         return self._checked_job(job_id, fields), int(leased)
+
+    def checked(self, job_id: str, fields: dict[str, str]) -> dict[str, str]:
+        """A job hash read by the caller, checked against its checksum (a corrupt one is marked)."""
+        return self._checked_job(job_id, fields)
 
     def _checked_job(self, job_id: str, fields: dict[str, str]) -> dict[str, str]:
         k = self.keys.job(job_id)
@@ -206,6 +222,8 @@ class Ledger(ControlOps):
         pipe.xadd(k.audit, {"event": "job_created", "cursor": cursor, "actor": f"tenant:{spec.tenant}",
                             "flow": f"{spec.flow.id}@{spec.flow.version}"})
         pipe.zadd(self.keys.jobs(spec.tenant), {spec.job_id: int(now)})
+        self.index.file(pipe, spec.tenant, spec.job_id,
+                        Filed("running", spec.flow.id, spec.flow.version, int(now)))
         pipe.sadd(self.keys.active, spec.job_id)
         pipe.execute()
         log.info("job created job_id=%s flow=%s@%s", spec.job_id, spec.flow.id, spec.flow.version)

@@ -79,6 +79,10 @@ def migrate(ledger: Ledger, spec: JobSpec, flow: FlowSpec, flow_hash: str, actor
         raise RetryableError(f"job {spec.job_id} changed too fast to migrate; try again")
     _raise_for(res, spec, flow)
     ledger.forget(spec.job_id)
+    try:  # the job index files it under its new flow version (jobindex.py)
+        ledger.index.check(spec.job_id)
+    except Exception:  # noqa: BLE001 - migrated already; the supervisor's pass files it
+        log.warning("job index: refiling after a migration failed job_id=%s", spec.job_id, exc_info=True)
     log.info("flow migrated job_id=%s %s@%s -> %s@%s actor=%s", spec.job_id, spec.flow.id,
              spec.flow.version, flow.id, flow.version, actor)
     return {"from": {"version": spec.flow.version, "hash": spec.flow_hash},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any, Protocol
 
 import redis
 from redis.commands.core import Script
@@ -18,6 +19,29 @@ def source(name: str) -> str:
     """The full text of one script: the shared helpers, then the operation."""
     lua = resources.files("gateway.ledger") / "lua"
     return (lua / "lib.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+
+
+class Observer(Protocol):
+    """Hears of every script run that names a job's record (jobindex.JobIndex)."""
+
+    def job_in(self, keys: list) -> str | None: ...
+
+    def run(self, script: Script, job_id: str, keys: list, args: list) -> Any: ...
+
+
+class Observed:
+    """A registered script whose runs on a job go through the observer (the job index follows every
+    status change this way, present scripts and future ones alike). Called like a redis-py Script."""
+
+    def __init__(self, script: Script, observer: Observer) -> None:
+        self.script = script
+        self.observer = observer
+
+    def __call__(self, keys: list | tuple = (), args: list | tuple = (), client: Any = None) -> Any:
+        job_id = self.observer.job_in(keys) if client is None else None
+        if job_id is None:
+            return self.script(keys=keys, args=args, client=client)
+        return self.observer.run(self.script, job_id, list(keys), list(args))
 
 
 @dataclass(frozen=True)
@@ -43,6 +67,10 @@ class Scripts:
     handle: Script
 
     @classmethod
-    def register(cls, client: redis.Redis) -> Scripts:
-        """Register every operation's script with ``client`` (EVALSHA, loaded on first use)."""
-        return cls(**{name: client.register_script(source(name)) for name in OPERATIONS})
+    def register(cls, client: redis.Redis, observer: Observer | None = None) -> Scripts:
+        """Register every operation's script with ``client`` (EVALSHA, loaded on first use); with an
+        ``observer``, each run that names a job's record goes through it (Observed)."""
+        made = {name: client.register_script(source(name)) for name in OPERATIONS}
+        if observer is not None:
+            made = {name: Observed(script, observer) for name, script in made.items()}
+        return cls(**made)

@@ -138,6 +138,8 @@ class Supervisor:
         job = self.ledger.job_fields(job_id)
         if job.get("corrupt"):
             raise CorruptRecord(f"job {job_id} failed its checksum")
+        if self.ledger.index.check(job_id, job):  # a status change whose index update was lost
+            log.warning("supervisor: job index repaired job_id=%s status=%s", job_id, job["status"])
         if job["status"] in TERMINAL:
             self._retire(job_id, job["status"])
         elif job["status"] in ("running", "paused"):  # a held job is left exactly as it is

@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     sup = sub.add_parser("supervisor", help="expire leases, recover crashed jobs, apply retention")
     sup.set_defaults(func=cmd_supervisor)
 
+    reindex = sub.add_parser("reindex", help="rebuild the job index (listing by status, flow, time) "
+                                             "from the job records; safe while jobs run")
+    reindex.add_argument("--tenant", help="only this tenant (default: every tenant)")
+    reindex.set_defaults(func=cmd_reindex)
+
     worker = sub.add_parser("worker", help="RQ worker (with RQ's scheduler) running push-mode stages")
     worker.add_argument("--burst", action="store_true",
                         help="exit once no job has work to start and nothing is in flight")
@@ -216,6 +221,19 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: supervisor.stop.set())
     supervisor.run()
+    return 0
+
+
+def cmd_reindex(args: argparse.Namespace) -> int:
+    """Rebuild the job index (gateway/ledger/jobindex.py) and print what was filed, per tenant."""
+    client, settings = connect(Settings())
+    from gateway.ledger.ledger import Ledger
+
+    index = Ledger(client, settings).index
+    report = {args.tenant: index.rebuild(args.tenant)} if args.tenant else index.rebuild_all()
+    for tenant, counts in report.items():
+        print(f"{tenant}: {counts['filed']} jobs filed, {counts['gone']} expired jobs dropped, "
+              f"{counts['stray_removed']} stray entries removed")
     return 0
 
 

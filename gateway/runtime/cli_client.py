@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlencode
 from typing import Any
 
 import requests
@@ -55,6 +56,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     jsub = jobs.add_subparsers(metavar="action", required=True)
     ls = jsub.add_parser("list", parents=[common])
     ls.add_argument("--status")
+    ls.add_argument("--flow", help="only jobs of this flow (FLOW or FLOW@VERSION)")
+    ls.add_argument("--since", help="created at or after (epoch ms or ISO 8601)")
+    ls.add_argument("--until", help="created before (epoch ms or ISO 8601)")
+    ls.add_argument("--oldest", action="store_true", help="oldest first")
+    ls.add_argument("--limit", type=int, default=100, help="jobs per page (1-1000)")
+    ls.add_argument("--all", action="store_true", help="follow every page (else: the first, and a hint)")
     ls.set_defaults(func=jobs_list)
     show = jsub.add_parser("show", parents=[common])
     show.add_argument("job_id")
@@ -115,10 +122,22 @@ def _run(fn):
 
 @_run
 def jobs_list(args: argparse.Namespace) -> int:
-    query = f"?status={args.status}" if args.status else ""
-    for job in client_from(args).call("GET", f"/v1/jobs{query}")["jobs"]:
-        print(f"{job['job_id']}  {job['status']:<10} {job['flow']['id']}@{job['flow']['version']}  "
-              f"{job['items_done']} items, {job['batches']['completed']}/{job['batches']['planned']} batches")
+    flow_id, _, version = (args.flow or "").partition("@")
+    params = {"status": args.status, "flow_id": flow_id or None, "flow_version": version or None,
+              "created_after": args.since, "created_before": args.until,
+              "order": "oldest" if args.oldest else None, "limit": args.limit}
+    client = client_from(args)
+    path: str | None = "/v1/jobs?" + urlencode({k: v for k, v in params.items() if v is not None})
+    while path:
+        page = client.call("GET", path)
+        for job in page["jobs"]:
+            print(f"{job['job_id']}  {job['status']:<10} {job['flow']['id']}@{job['flow']['version']}  "
+                  f"{job['items_done']} items, {job['batches']['completed']}/{job['batches']['planned']} "
+                  "batches")
+        path = page.get("next")
+        if path and not args.all:
+            print(f"(more: --all, or GET {path})", file=sys.stderr)
+            break
     return 0
 
 

@@ -1,0 +1,276 @@
+"""The job index: a tenant's jobs by status, by flow (and version) and by creation time, for listing.
+
+The truth is the job record (``<p>:{<job>}:job``, field ``status``; the flow in the job's spec). The
+index is a copy kept for reading, in the tenant's own keys (keys.py, ``jobidx``): one sorted set per
+filter combination (all, status, flow, flow+version, status+flow, status+flow+version), whose members
+are ``<created ms, 13 digits>:<job id>``, all scored 0, so one ZRANGEBYLEX serves the time window and
+the page cursor at once, newest or oldest first, in O(log N + page) whatever the filter. A hash
+``meta`` says where each job is filed; it is written with the sets in one MULTI.
+
+House rule (../shared/CONVENTIONS.md, habit 3): the index spans jobs, so no Lua script writes it. It is
+updated by Python, idempotently, right after every ledger script that names a job's record in its KEYS
+(``run``: the script and the reads of the job's status and its filed place go in one round trip; the
+index is written only when the two differ, which is only when the status changed). A write lost between
+the script and the index (a crash, Redis going away) heals three ways: a listing checks each job it
+returns against its record and files it again when it moved (``JobList``); the supervisor's pass checks
+every active job (``check``); ``rebuild`` regenerates a tenant's index from the roster and the records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis.exceptions import NoScriptError
+
+from gateway.ledger.keys import Keys
+
+log = logging.getLogger(__name__)
+
+STATUSES = ("running", "paused", "held", "waiting_human", "succeeded", "failed", "cancelled")
+CHUNK = 500  # jobs per pipeline in a rebuild
+
+
+@dataclass(frozen=True)
+class Filed:
+    """Where the index files one job."""
+
+    status: str
+    flow_id: str
+    flow_version: str
+    created_ms: int
+
+    def encode(self) -> str:
+        return f"{self.status} {self.flow_id} {self.flow_version} {self.created_ms}"
+
+    @classmethod
+    def decode(cls, raw: str | None) -> Filed | None:
+        """The filed place, or None for none (or an unreadable one, which is filed again)."""
+        parts = raw.split(" ") if raw else []
+        if len(parts) != 4 or not parts[3].isdigit():
+            return None
+        return cls(parts[0], parts[1], parts[2], int(parts[3]))
+
+
+def member(created_ms: int, job_id: str) -> str:
+    """A job's member in every index set: sorts by creation time, then job id."""
+    return f"{created_ms:013d}:{job_id}"
+
+
+def job_of(entry: str) -> str:
+    """The job id of an index member."""
+    return entry.partition(":")[2]
+
+
+class JobIndex:
+    """Writes, checks and rebuilds the job index; ``spec_of`` is Ledger.spec (cached)."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, spec_of: Callable[[str], Any]) -> None:
+        self.r = client
+        self.keys = keys
+        self.spec_of = spec_of
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def keys_of(self, tenant: str, f: Filed) -> list[str]:
+        """The six sets a job filed at ``f`` belongs to."""
+        k = self.keys
+        return [k.job_index(tenant), k.job_index(tenant, f.status),
+                k.job_index(tenant, None, f.flow_id), k.job_index(tenant, None, f.flow_id, f.flow_version),
+                k.job_index(tenant, f.status, f.flow_id),
+                k.job_index(tenant, f.status, f.flow_id, f.flow_version)]
+
+    def file(self, pipe: Any, tenant: str, job_id: str, f: Filed, old: Filed | None = None) -> None:
+        """Queue on ``pipe`` the commands that file the job at ``f`` and nowhere else it could be:
+        out of ``old``'s sets and of every other status's sets of its flow (idempotent)."""
+        entry = member(f.created_ms, job_id)
+        keep = self.keys_of(tenant, f)
+        if old is not None and old != f:
+            for key in self.keys_of(tenant, old):
+                if key not in keep or old.created_ms != f.created_ms:
+                    pipe.zrem(key, member(old.created_ms, job_id))
+        k = self.keys
+        for status in STATUSES:
+            if status != f.status:
+                for key in (k.job_index(tenant, status), k.job_index(tenant, status, f.flow_id),
+                            k.job_index(tenant, status, f.flow_id, f.flow_version)):
+                    pipe.zrem(key, entry)
+        for key in keep:
+            pipe.zadd(key, {entry: 0})
+        pipe.hset(self.keys.job_index_meta(tenant), job_id, f.encode())
+
+    def refile(self, tenant: str, job_id: str, f: Filed, old: Filed | None = None,
+               stray: str | None = None) -> None:
+        """File one job at ``f`` now (one MULTI); ``stray`` is a set it was found in and must leave."""
+        pipe = self.r.pipeline(transaction=True)
+        if stray is not None and stray not in self.keys_of(tenant, f):
+            pipe.zrem(stray, member(f.created_ms, job_id))
+        self.file(pipe, tenant, job_id, f, old)
+        pipe.execute()
+        log.info("job index: filed job_id=%s as %s (was %s)", job_id, f.status,
+                 old.status if old else "unfiled")
+
+    def unfile(self, pipe: Any, tenant: str, job_id: str, old: Filed | None, created_ms: int) -> None:
+        """Queue the commands that drop a job whose record is gone (retention) from the index."""
+        entry = member(created_ms, job_id)
+        for key in self.keys_of(tenant, old) if old else [self.keys.job_index(tenant)]:
+            pipe.zrem(key, entry)
+        pipe.hdel(self.keys.job_index_meta(tenant), job_id)
+
+    # -- the hook every job script runs through (scripts.Observed) -------------------------------
+
+    def job_in(self, keys: Iterable[str]) -> str | None:
+        """The job whose record (``<p>:{<job>}:job``) a script names, if it names one."""
+        head, tail = f"{self.keys.prefix}:{{", "}:job"
+        for key in keys:
+            if key.startswith(head) and key.endswith(tail):
+                return key[len(head):-len(tail)]
+        return None
+
+    def run(self, script: Any, job_id: str, keys: list, args: list) -> Any:
+        """Run a job's script and, in the same round trip, read the job's status and where the index
+        filed it; file it again if they differ. The script's answer is returned (or raised) as is."""
+        try:
+            tenant = self.spec_of(job_id).tenant
+        except Exception:  # noqa: BLE001 - no readable spec: the script itself answers missing/corrupt
+            return script(keys=keys, args=args)
+        k = self.keys.job(job_id)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.evalsha(script.sha, len(keys), *keys, *args)
+        pipe.hmget(k.job, "status", "created_ms")
+        pipe.hget(self.keys.job_index_meta(tenant), job_id)
+        res, truth, filed = pipe.execute(raise_on_error=False)
+        if isinstance(res, NoScriptError):  # not loaded yet (a restarted Redis): nothing ran
+            res = script(keys=keys, args=args)
+            truth, filed = self.r.hmget(k.job, "status", "created_ms"), \
+                self.r.hget(self.keys.job_index_meta(tenant), job_id)
+        elif isinstance(res, Exception):
+            raise res
+        try:
+            self._after(tenant, job_id, truth, filed)
+        except Exception:  # noqa: BLE001 - the script committed; the supervisor and listings heal it
+            log.warning("job index: update after a script failed job_id=%s", job_id, exc_info=True)
+        return res
+
+    def _after(self, tenant: str, job_id: str, truth: Any, filed: Any) -> None:
+        if isinstance(truth, Exception) or isinstance(filed, Exception) or not truth[0]:
+            return  # no record (or a read error): nothing to file
+        old = Filed.decode(filed)
+        status, created = truth[0], int(truth[1] or 0)
+        if old is not None and old.status == status:
+            return  # the usual case: the status did not change
+        if old is not None:  # only the status changes here; the flow only by migrate (check)
+            new = Filed(status, old.flow_id, old.flow_version, old.created_ms)
+        else:
+            spec = self.spec_of(job_id)
+            new = Filed(status, spec.flow.id, spec.flow.version, created)
+        self.refile(tenant, job_id, new, old)
+
+    # -- checking (supervisor, migrate) ------------------------------------------------------
+
+    def check(self, job_id: str, job: dict[str, str] | None = None) -> bool:
+        """File the job again if its record and the index disagree (status, flow, or an entry missing
+        from one of its sets); ``job`` is its record if the caller has read it. True if it was."""
+        spec = self.spec_of(job_id)
+        if job is None:
+            status, created = self.r.hmget(self.keys.job(job_id).job, "status", "created_ms")
+            if status is None:
+                return False
+        else:
+            status, created = job["status"], job.get("created_ms")
+        truth = Filed(status, spec.flow.id, spec.flow.version, int(created or 0))
+        expected = self.keys_of(spec.tenant, truth)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hget(self.keys.job_index_meta(spec.tenant), job_id)
+        for key in expected:
+            pipe.zscore(key, member(truth.created_ms, job_id))
+        filed, *scores = pipe.execute()
+        if filed == truth.encode() and all(s is not None for s in scores):
+            return False
+        self.refile(spec.tenant, job_id, truth, Filed.decode(filed))
+        return True
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def range(self, key: str, lo: str, hi: str, newest_first: bool, count: int) -> list[str]:
+        """Up to ``count`` members of ``key`` between lex bounds ``lo`` and ``hi``."""
+        if newest_first:
+            return self.r.zrevrangebylex(key, hi, lo, start=0, num=count)
+        return self.r.zrangebylex(key, lo, hi, start=0, num=count)
+
+    # -- rebuilding ------------------------------------------------------------------------
+
+    def rebuild_all(self) -> dict[str, dict[str, int]]:
+        """Rebuild every tenant's index (every tenant with a roster)."""
+        head = self.keys.jobs_pattern[:-1]
+        tenants = sorted({key[len(head):] for key in self.r.scan_iter(self.keys.jobs_pattern, count=1000)})
+        return {tenant: self.rebuild(tenant) for tenant in tenants}
+
+    def rebuild(self, tenant: str) -> dict[str, int]:
+        """Regenerate ``tenant``'s index from its roster and the job records: every job with a record
+        is filed where it belongs, every other entry goes; jobs whose record expired leave the roster
+        and the quota's active set too. Safe while jobs run (a status that changes meanwhile is
+        corrected by the next listing, check or script)."""
+        roster = self.keys.jobs(tenant)
+        truth: dict[str, Filed] = {}
+        gone: list[str] = []
+        for start in range(0, self.r.zcard(roster), CHUNK):
+            ids = self.r.zrange(roster, start, start + CHUNK - 1)
+            pipe = self.r.pipeline(transaction=False)
+            for job_id in ids:
+                pipe.hmget(self.keys.job(job_id).job, "status", "created_ms")
+                pipe.hget(self.keys.job(job_id).spec, "flow")
+            replies = pipe.execute()
+            for job_id, (status, created), flow in zip(ids, replies[::2], replies[1::2]):
+                f = _filed(status, created, flow)
+                if f is None:
+                    gone.append(job_id)
+                else:
+                    truth[job_id] = f
+        removed = self._sweep(tenant, truth)
+        for start in range(0, len(truth), CHUNK):
+            pipe = self.r.pipeline(transaction=True)
+            for job_id in list(truth)[start:start + CHUNK]:
+                self.file(pipe, tenant, job_id, truth[job_id])
+            pipe.execute()
+        for start in range(0, len(gone), CHUNK):
+            chunk = gone[start:start + CHUNK]
+            self.r.zrem(roster, *chunk)
+            self.r.srem(self.keys.quota_active(tenant), *chunk)
+        log.info("job index rebuilt tenant=%s filed=%s gone=%s stray=%s", tenant, len(truth), len(gone),
+                 removed)
+        return {"filed": len(truth), "gone": len(gone), "stray_removed": removed}
+
+    def _sweep(self, tenant: str, truth: dict[str, Filed]) -> int:
+        """Remove every index entry (and meta field) that ``truth`` does not file where it is."""
+        meta = self.keys.job_index_meta(tenant)
+        removed = 0
+        for key in self.r.scan_iter(self.keys.job_index_pattern(tenant), count=1000):
+            if key == meta:
+                stray = [job_id for job_id, _ in self.r.hscan_iter(meta, count=1000) if job_id not in truth]
+                for start in range(0, len(stray), CHUNK):
+                    removed += self.r.hdel(meta, *stray[start:start + CHUNK])
+                continue
+            stray = [m for m in self.r.zrange(key, 0, -1) if not self._belongs(tenant, key, m, truth)]
+            for start in range(0, len(stray), CHUNK):
+                removed += self.r.zrem(key, *stray[start:start + CHUNK])
+        return removed
+
+    def _belongs(self, tenant: str, key: str, entry: str, truth: dict[str, Filed]) -> bool:
+        f = truth.get(job_of(entry))
+        return f is not None and entry == member(f.created_ms, job_of(entry)) and key in self.keys_of(tenant, f)
+
+
+def _filed(status: str | None, created: str | None, flow: str | None) -> Filed | None:
+    """Where a job belongs, from its record's status and created_ms and its spec's flow (JSON)."""
+    if not status or not flow:
+        return None
+    try:
+        spec_flow = json.loads(flow)
+        return Filed(status, spec_flow["id"], spec_flow["version"], int(created or 0))
+    except (ValueError, KeyError, TypeError):
+        return None
