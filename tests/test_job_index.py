@@ -8,6 +8,9 @@ goes through the listing, which repairs what it reads and would hide a missed up
 
 from __future__ import annotations
 
+import threading
+import time
+
 import random
 import time
 from datetime import UTC, datetime, timedelta
@@ -338,6 +341,29 @@ def test_rebuild_regenerates_the_index_from_the_records(ledger, jobs, flows):
     assert report["acme"]["filed"] == 3
     assert_indexed(ledger)
     assert listed(jobs, "acme") == ids[::-1]
+
+
+def test_a_starting_supervisor_indexes_jobs_made_before_the_index_existed(ledger, jobs, flows):
+    """The upgrade: jobs whose records predate the index are listed once a supervisor has started,
+    with no manual reindex; a second start does not rebuild again."""
+    ids = [create(jobs, fid) for fid in ("f", "g")]
+    ledger.pause(ids[0], "t")
+    for key in ledger.r.scan_iter(ledger.keys.job_index_pattern("acme")):
+        ledger.r.delete(key)
+    ledger.r.delete(ledger.keys.job_index_built)  # as a deployment of the version before the index
+    assert listed(jobs, "acme") == []
+    sup = Supervisor(ledger, name="upgrade")
+    threading.Thread(target=sup.run, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 10
+        while listed(jobs, "acme") != ids[::-1]:
+            assert time.monotonic() < deadline, "the supervisor did not build the index"
+            time.sleep(0.05)
+    finally:
+        sup.stop.set()
+    assert listed(jobs, "acme", status="paused") == [ids[0]]
+    assert_indexed(ledger)
+    assert ledger.index.ensure_built() is False  # built once per index format
 
 
 def test_jobs_whose_retention_ran_out_leave_the_index_roster_and_quota_set(ledger, jobs, flows):

@@ -32,6 +32,7 @@ from gateway.ledger.keys import Keys
 log = logging.getLogger(__name__)
 
 STATUSES = ("running", "paused", "held", "waiting_human", "succeeded", "failed", "cancelled")
+INDEX_FORMAT = "1"  # bump when the index's members or keys change: the supervisor then rebuilds it
 CHUNK = 500  # jobs per pipeline in a rebuild
 
 
@@ -203,6 +204,17 @@ class JobIndex:
         return self.r.zrangebylex(key, lo, hi, start=0, num=count)
 
     # -- rebuilding ------------------------------------------------------------------------
+
+    def ensure_built(self) -> bool:
+        """Build every tenant's index once per deployment (jobs made before the index existed, or by a
+        version whose index format differs); True when it built. The supervisor calls it at start;
+        two that race both rebuild, which is safe (rebuild is idempotent)."""
+        if self.r.get(self.keys.job_index_built) == INDEX_FORMAT:
+            return False
+        report = self.rebuild_all()
+        self.r.set(self.keys.job_index_built, INDEX_FORMAT)
+        log.info("job index built for %d tenants", len(report))
+        return True
 
     def rebuild_all(self) -> dict[str, dict[str, int]]:
         """Rebuild every tenant's index (every tenant with a roster)."""

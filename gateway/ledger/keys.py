@@ -46,6 +46,8 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
 ``<p>:jobidx:{<tenant>}:meta``        hash    job id -> where the index filed it (``status flow
                                               version created_ms``); written with the zsets in one
                                               MULTI; no expiry (listing drops retired jobs)
+``<p>:jobidx:built``                  string  the index format every tenant's index was built in;
+                                              absent or older: the supervisor rebuilds at start
 ``<p>:active``                        set     job ids the supervisor watches
 ``<p>:idem:<tenant>:<sha256>``        hash    Idempotency-Key record; TTL ``idempotency_ttl``
 ``<p>:idemclaim:<tenant>:<sha256>``   string  first claim of that key (request fingerprint)
@@ -186,6 +188,11 @@ class Keys:
     def jobs_pattern(self) -> str:
         """SCAN pattern of every tenant's roster (``jobs``; the job index rebuild only)."""
         return f"{self.prefix}:jobs:*"
+
+    @property
+    def job_index_built(self) -> str:
+        """The job index's format version, set once every tenant's index was built (``ensure_built``)."""
+        return f"{self.prefix}:jobidx:built"
 
     def job_index_meta(self, tenant: str) -> str:
         return f"{self.prefix}:jobidx:{{{tenant}}}:meta"

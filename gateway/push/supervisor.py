@@ -172,6 +172,7 @@ class Supervisor:
             try:
                 self.ledger.check_digest_agreement()
                 if self.generation.ready(wait_s=1.0):
+                    self.ledger.index.ensure_built()  # jobs older than the index, once
                     self._redis_back()
                     break
             except REDIS_DOWN as exc:
