@@ -9,8 +9,6 @@ goes through the listing, which repairs what it reads and would hide a missed up
 from __future__ import annotations
 
 import threading
-import time
-
 import random
 import time
 from datetime import UTC, datetime, timedelta
