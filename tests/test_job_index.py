@@ -8,8 +8,8 @@ goes through the listing, which repairs what it reads and would hide a missed up
 
 from __future__ import annotations
 
-import threading
 import random
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 from urllib.parse import parse_qs, urlparse
