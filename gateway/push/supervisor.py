@@ -148,10 +148,13 @@ class Supervisor:
                 self.dispatcher.pump(job_id)
 
     def _retire(self, job_id: str, status: str) -> None:
+        pipe = self.ledger.r.pipeline(transaction=True)  # its events stay watched by the deliverer
         if status != "failed":
             spec = self.ledger.spec(job_id)
             self.ledger.expire_job(job_id, spec.flow.retention)
-        pipe = self.ledger.r.pipeline(transaction=True)  # its events stay watched by the deliverer
+            # a finished job frees its place in the tenant's active-jobs quota now, not at the next
+            # prune (which runs only once the set is full, and only one process at a time)
+            pipe.srem(self.ledger.keys.quota_active(spec.tenant), job_id)
         pipe.sadd(self.ledger.keys.events_pending, job_id)
         pipe.srem(self.ledger.keys.active, job_id)
         pipe.execute()
