@@ -129,9 +129,14 @@ def live(redis_server, tmp_path_factory):
     settings = Settings(data_dir=tmp_path_factory.mktemp("live"))
     env = procs.child_env(settings, redis_server.url, {TOKEN: "acme"})
     proc = procs.start_api(env, "127.0.0.1", port, workers=2)
+    supervisor = procs.start_supervisor(env)  # /readyz answers 200 with one alive
     base = f"http://127.0.0.1:{port}"
     try:
         procs.wait_healthy(base, proc=proc)
+        deadline = time.monotonic() + 20
+        while requests.get(f"{base}/readyz", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the supervisor never made /readyz ready"
+            time.sleep(0.1)
         s = requests.Session()
         s.headers.update(AUTH)
         assert s.post(f"{base}/v1/flows", json=FLOW).status_code == 201
@@ -141,7 +146,7 @@ def live(redis_server, tmp_path_factory):
         s.post(f"{base}/v1/jobs/{jobs[0]}/lease")  # batch 0 leased: batches, heartbeat, complete, fail
         yield base, jobs, settings.signing_secret()
     finally:
-        procs.stop(proc)
+        procs.stop_all([proc, supervisor])
 
 
 SEEN: dict[str, set[int]] = {}  # operation -> statuses answered

@@ -257,6 +257,10 @@ class Keys:
     def events_pending(self) -> str:
         return f"{self.prefix}:events:pending"
 
+    def alive(self, role: str) -> str:
+        """Liveness beats of one role's processes (liveness.py)."""
+        return f"{self.prefix}:alive:{role}"
+
     @property
     def boot(self) -> str:
         return f"{self.prefix}:boot"

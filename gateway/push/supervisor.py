@@ -23,6 +23,7 @@ from gateway.errors import BatchgateError, Conflict, CorruptRecord, NotFound
 from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.generation import Generation
 from gateway.ledger.ledger import Ledger
+from gateway.ledger.liveness import Liveness
 from gateway.push.webhooks import Deliverer
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,9 @@ class Supervisor:
         self.generation = Generation(ledger.r, ledger.keys, "supervisor",
                                      lambda gen_ms: self.recover(gen_ms))
         self.stop = threading.Event()
+        # /readyz and `batchgate health supervisor` read it: beats every pass, and within a long pass
+        self.liveness = Liveness(ledger.r, ledger.keys, "supervisor",
+                                 every_s=min(1.0, self.settings.supervisor_interval.total_seconds()))
         self._down_since: float | None = None  # monotonic time Redis was first found unavailable
         self._down_logged = 0.0
 
@@ -121,7 +125,9 @@ class Supervisor:
 
     def tick(self) -> None:
         """One pass: expire due leases of active jobs; retire finished jobs from the active set."""
+        self.liveness.beat(force=True)
         for job_id in self.ledger.r.smembers(self.ledger.keys.active):
+            self.liveness.beat()  # a pass over many jobs: still alive
             try:
                 self._tick_job(job_id)
             except (NotFound, CorruptRecord):
@@ -198,6 +204,10 @@ class Supervisor:
         self.deliverer.stop.set()
         webhooks.join(timeout=10)
         self.generation.leave()
+        try:
+            self.liveness.gone()
+        except REDIS_DOWN:
+            pass  # its beat ages out
 
     def _redis_down(self, exc: Exception, doing: str) -> None:
         """Log that Redis is unavailable: at once, then at most every REDIS_DOWN_LOG_S while it lasts."""

@@ -58,6 +58,7 @@ from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 
 from gateway.errors import BatchgateError, CorruptRecord, NotFound
+from gateway.ledger.liveness import Liveness
 from gateway.push import dispatch
 from gateway.push.supervisor import recovery_gate
 
@@ -259,10 +260,14 @@ class PushWorker:
 
     def feed(self, burst: bool = False) -> None:
         d = dispatch.dispatcher()
+        # /readyz does not need workers; `batchgate health worker` (a container healthcheck) reads this:
+        # the feeder beats, so a feeder stuck on a dead connection stops beating
+        liveness = Liveness(d.ledger.r, d.ledger.keys, "worker")
         pause = 0.5
         next_rescan = 0.0
         while not self.stop.is_set():
             try:
+                liveness.beat()
                 if self.generation is not None and not self.generation.ready():
                     self.stop.wait(FEED_IDLE_S)  # another process is deciding a restart's recovery
                     continue

@@ -68,8 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="exit once no job has work to start and nothing is in flight")
     worker.add_argument("--concurrency", type=int, default=None,
                         help="stage calls run at once in this process (threads; default "
-                             "BATCHGATE_WORKER_CONCURRENCY, 1)")
+                             "BATCHGATE_WORKER_CONCURRENCY, 16)")
     worker.set_defaults(func=cmd_worker)
+
+    health = sub.add_parser(
+        "health", help="exit 0 if this host's API, supervisor or worker is alive (a container healthcheck)",
+        description="api: GET /livez (or /readyz with --ready) on 127.0.0.1:BATCHGATE_PORT. supervisor, "
+                    "worker: a beat in Redis from a process on this host younger than "
+                    "BATCHGATE_READY_INTERVALS supervisor intervals. Exit 0 alive, 1 not.")
+    health.add_argument("role", choices=("api", "supervisor", "worker"))
+    health.add_argument("--ready", action="store_true", help="api: ask /readyz instead of /livez")
+    health.add_argument("--any-host", action="store_true",
+                        help="supervisor, worker: a process on any host counts")
+    health.set_defaults(func=cmd_health)
 
     cli_client.add_commands(sub)
     return parser
@@ -222,6 +233,46 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: supervisor.stop.set())
     supervisor.run()
     return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """One line on stdout; exit 0 when the role's process here is alive, 1 when not."""
+    settings = Settings()
+    if args.role == "api":
+        import requests
+
+        path = "/readyz" if args.ready else "/livez"
+        url = f"http://127.0.0.1:{settings.port}{path}"
+        try:
+            resp = requests.get(url, timeout=3)
+        except requests.RequestException as exc:
+            print(f"api: {url} does not answer ({type(exc).__name__})")
+            return 1
+        print(f"api: {url} answered {resp.status_code}")
+        return 0 if resp.status_code == 200 else 1
+    import socket
+
+    from redis.exceptions import RedisError
+
+    from gateway.ledger.keys import Keys
+    from gateway.ledger.liveness import Liveness
+
+    max_age = settings.ready_intervals * settings.supervisor_interval.total_seconds()
+    try:
+        client, settings = connect(settings)
+        beats = Liveness(client, Keys(settings.key_prefix), args.role).beats(
+            None if args.any_host else socket.gethostname())
+    except RedisError as exc:
+        print(f"{args.role}: Redis does not answer ({type(exc).__name__})")
+        return 1
+    fresh = [b for b in beats if b.age_s <= max_age]
+    where = "" if args.any_host else f" on {socket.gethostname()}"
+    if fresh:
+        print(f"{args.role}: {len(fresh)} alive{where}, last beat {fresh[0].age_s:.1f} s ago")
+        return 0
+    last = f"; last beat {beats[0].age_s:.1f} s ago" if beats else ""
+    print(f"{args.role}: none alive{where} (no beat within {max_age:g} s{last})")
+    return 1
 
 
 def cmd_reindex(args: argparse.Namespace) -> int:
