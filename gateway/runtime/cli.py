@@ -82,6 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="supervisor, worker: a process on any host counts")
     health.set_defaults(func=cmd_health)
 
+    config = sub.add_parser("config", help="make a settings file for a deployment (compose.yaml uses it)")
+    config_sub = config.add_subparsers(metavar="action")
+    init = config_sub.add_parser(
+        "init", help="create PATH (mode 0600) with a signing key and a token for TENANT, unless it exists",
+        description="Writes {\"signing_key\": ..., \"tokens\": {<token>: TENANT}} as JSON, readable by "
+                    "this user only; every process started with BATCHGATE_CONFIG_FILE=PATH shares them. An "
+                    "existing file is left exactly as it is.")
+    init.add_argument("path", type=Path)
+    init.add_argument("--tenant", default="default", help="the token's tenant (default: default)")
+    init.add_argument("--print-token", action="store_true", help="print the tenant's token on stdout")
+    init.set_defaults(func=cmd_config_init)
+
     cli_client.add_commands(sub)
     return parser
 
@@ -273,6 +285,41 @@ def cmd_health(args: argparse.Namespace) -> int:
     last = f"; last beat {beats[0].age_s:.1f} s ago" if beats else ""
     print(f"{args.role}: none alive{where} (no beat within {max_age:g} s{last})")
     return 1
+
+
+def cmd_config_init(args: argparse.Namespace) -> int:
+    """Create a deployment's settings file once; print where (and the token, if asked)."""
+    import json
+    import secrets
+
+    from gateway.settings import read_config_file
+
+    path: Path = args.path
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = {"signing_key": secrets.token_urlsafe(32),
+                "tokens": {"bg_" + secrets.token_urlsafe(24): args.tenant}}
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process made it meanwhile: theirs stands
+            pass
+        else:
+            with os.fdopen(fd, "w") as fh:
+                json.dump(body, fh)
+            print(f"batchgate: created {path} (signing key, a token for tenant {args.tenant!r})",
+                  file=sys.stderr)
+    try:
+        tokens = read_config_file(path).get("tokens") or {}
+    except ValueError as exc:
+        print(f"batchgate: {exc}", file=sys.stderr)
+        return 2
+    if args.print_token:
+        mine = [token for token, tenant in tokens.items() if tenant == args.tenant]
+        if not mine:
+            print(f"batchgate: {path} has no token for tenant {args.tenant!r}", file=sys.stderr)
+            return 1
+        print(mine[0])
+    return 0
 
 
 def cmd_reindex(args: argparse.Namespace) -> int:
