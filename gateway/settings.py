@@ -143,6 +143,8 @@ class Settings(BaseSettings):
                                else own.leases_per_second))
 
     log_level: str = "INFO"
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="text for a terminal; json: one object per line with job fields")
     host: str = "127.0.0.1"
     port: int = 8080
 

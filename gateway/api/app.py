@@ -15,6 +15,7 @@ from flask import Flask, Response, g, jsonify, request
 from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
+from gateway import logs
 from gateway.api.common import Services, request_services, require_json_type
 from gateway.api.idempotency import IdempotencyStore
 from gateway.api.spool import CallbackSpool
@@ -45,6 +46,9 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     from gateway.push.supervisor import recovery_gate
 
     settings = settings or Settings()
+    if not logging.getLogger().handlers:  # a gunicorn worker: nothing set the root logger up
+        logs.configure(settings.log_level, settings.log_format,
+                       [*logs.secret_values(settings), *settings.token_map()])
     if client is None:
         client, settings = connect(settings)
     ledger = Ledger(client, settings)
@@ -75,12 +79,29 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     if deferred_check:
         app.before_request(ledger.check_digest_agreement)  # a no-op once it has passed
     app.before_request(_authenticate)
+    app.before_request(_bind_log_context)
+    app.teardown_request(_unbind_log_context)
     startup = recovery_gate(ledger, "api")  # a restart's recovery is decided before any job request
     app.before_request(lambda: _recovery_decided(startup))
     app.before_request(_json_bodies_only)
     app.after_request(_no_content_no_type)
     _register_errors(app)
     return app
+
+
+def _bind_log_context() -> None:
+    """Lines logged while a request on a job is served carry its job_id (and seq) and tenant."""
+    args = request.view_args or {}
+    fields = {"job_id": args.get("job_id"), "seq": args.get("seq"), "tenant": g.get("tenant")}
+    if any(v is not None for v in fields.values()):
+        g.log_context = logs.bind(**fields)
+        g.log_context.__enter__()
+
+
+def _unbind_log_context(exc: BaseException | None = None) -> None:
+    ctx = g.pop("log_context", None)
+    if ctx is not None:
+        ctx.__exit__(None, None, None)
 
 
 class StrictJSONProvider(DefaultJSONProvider):

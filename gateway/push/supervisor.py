@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 
+from gateway import logs
 from gateway.errors import BatchgateError, Conflict, CorruptRecord, NotFound
 from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.generation import Generation
@@ -129,7 +130,8 @@ class Supervisor:
         for job_id in self.ledger.r.smembers(self.ledger.keys.active):
             self.liveness.beat()  # a pass over many jobs: still alive
             try:
-                self._tick_job(job_id)
+                with logs.bind(job_id=job_id):
+                    self._tick_job(job_id)
             except (NotFound, CorruptRecord):
                 self.ledger.r.srem(self.ledger.keys.active, job_id)
                 self.ledger.forget(job_id)

@@ -57,6 +57,7 @@ from rq.logutils import setup_loghandlers
 from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 
+from gateway import logs
 from gateway.errors import BatchgateError, CorruptRecord, NotFound
 from gateway.ledger.liveness import Liveness
 from gateway.push import dispatch
@@ -193,7 +194,10 @@ class PushWorker:
                 job_id, lease = self.work_items.pop()
             try:
                 d = dispatch.dispatcher()
-                d.run_leased(d.ledger.spec(job_id), lease)
+                spec = d.ledger.spec(job_id)
+                with logs.bind(job_id=job_id, seq=lease.seq, stage=lease.stage, attempt=lease.attempt,
+                               tenant=spec.tenant):
+                    d.run_leased(spec, lease)
             except BaseException:  # noqa: BLE001 - one call's failure must not stop the thread
                 log.exception("stage call failed in the worker job_id=%s seq=%s", job_id, lease.seq)
             finally:

@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from gateway import logs
 from gateway.ledger.embedded import DataDirInUse, NoLedgerRedis, connect
 from gateway.runtime import cli_client
 from gateway.settings import Settings
@@ -25,11 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        level = Settings().log_level.upper()
+        settings = Settings()
     except (ValidationError, SettingsError) as exc:  # e.g. flat BATCHGATE_SECRETS, a loose config file
         print(f"batchgate: invalid settings: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.configure(settings.log_level, settings.log_format,
+                   [*logs.secret_values(settings), *settings.token_map()])
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
@@ -202,6 +204,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # no module from the current directory in gunicorn or its workers (procs.python, gunicorn_conf)
     os.environ.update(procs.safe_path_env(dict(os.environ)))
     command = [*procs.python("-m", "gunicorn"), "--config", procs.GUNICORN_CONF,
+               # the access log on stdout, signed tokens cut from paths (gateway/runtime/gunicorn_log.py)
+               "--access-logfile", "-", "--logger-class", "gateway.runtime.gunicorn_log.Logger",
                "--bind", f"{settings.host}:{port}", "--workers", str(args.workers), "--threads", "4",
                "gateway.app:create_app()"]
     os.execv(command[0], command)
