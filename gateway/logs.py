@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 FIELDS = ("job_id", "seq", "stage", "attempt", "tenant")
-_CONTEXT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("batchgate_log", default={})
+_CONTEXT: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("batchgate_log", default=None)
 _PAIRS = re.compile(r"\b(job_id|seq|stage|attempt|tenant)=([^\s,;)]+)")
 #: a signed token in a path: /v1/callbacks/<t>, /v1/blobs/<t>, /decide/<t> (only the first 6 chars kept)
 SIGNED_PATH = re.compile(r"(/(?:v1/callbacks|v1/blobs|decide)/)([A-Za-z0-9_.~%-]{6})[A-Za-z0-9_.~%-]*")
@@ -38,7 +38,7 @@ MIN_SECRET = 6  # shorter values are not searched for (they would redact ordinar
 def bind(**fields: Any) -> Iterator[None]:
     """Add ``fields`` (job_id, seq, stage, attempt, tenant) to every line logged inside the block, in this
     thread or task only."""
-    token = _CONTEXT.set({**_CONTEXT.get(), **{k: v for k, v in fields.items() if v is not None}})
+    token = _CONTEXT.set({**(_CONTEXT.get() or {}), **{k: v for k, v in fields.items() if v is not None}})
     try:
         yield
     finally:
@@ -46,7 +46,7 @@ def bind(**fields: Any) -> Iterator[None]:
 
 
 def context() -> dict[str, Any]:
-    return dict(_CONTEXT.get())
+    return dict(_CONTEXT.get() or {})
 
 
 def redact_paths(text: str) -> str:
@@ -70,7 +70,7 @@ def job_fields(record: logging.LogRecord, message: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in _PAIRS.findall(message):
         out.setdefault(key, int(value) if key in ("seq", "attempt") and value.isdigit() else value)
-    out.update(_CONTEXT.get())
+    out.update(_CONTEXT.get() or {})
     for key in FIELDS:
         if key in record.__dict__:
             out[key] = record.__dict__[key]

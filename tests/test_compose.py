@@ -142,8 +142,9 @@ class Stack:
 
     def start(self, name: str, replica: int = 0) -> subprocess.Popen:
         argv = self.argv([self.local(c) for c in SERVICES[name]["command"]])
+        log = open(self.tmp / f"{name}-{replica}.log", "w")  # noqa: SIM115 - the child keeps it
         proc = subprocess.Popen(argv, env=self.env(name, replica), cwd=self.tmp, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"{name}-{replica}.log", "w"))
+                                stdout=subprocess.DEVNULL, stderr=log)
         self.procs.append(proc)
         return proc
 

@@ -15,7 +15,6 @@ import logging
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import requests
@@ -93,7 +92,8 @@ def test_a_full_run_logs_json_with_job_fields_and_no_secret(tmp_path):
         flows = [
             {"id": "pull", "version": "1", "batching": {"max_items": 2},
              "source": {"type": "sequence", "count": 4}, "stages": [{"name": "work"}]},
-            {"id": "push", "version": "1", "batching": {"max_items": 2}, "source": {"type": "sequence", "count": 4},
+            {"id": "push", "version": "1", "batching": {"max_items": 2},
+             "source": {"type": "sequence", "count": 4},
              "stages": [{"name": "call", "target": {"type": "http", "url": callback.url, "mode": "callback"}},
                         {"name": "secured", "target": {"type": "http", "url": secured.url, "mode": "sync",
                                                         "auth_secret": "key"}}]}]

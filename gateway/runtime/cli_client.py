@@ -8,8 +8,8 @@ import os
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlencode
 from typing import Any
+from urllib.parse import urlencode
 
 import requests
 import yaml
