@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from datetime import datetime, timezone
 from urllib.parse import urlencode
 
 import redis
@@ -106,7 +107,14 @@ def _read_stream(services, key: str, stage_names: list[str] | None) -> list[dict
         entries = services.redis.xrange(key, start, "+", count=limit)
     except redis.ResponseError as exc:  # a malformed stream id from the caller
         raise InvalidRequest("after must be a log entry id such as 1700000000000-0") from exc
-    return [{"id": i, **typed_entry(fields, stage_names)} for i, fields in entries]
+    return [{"id": i, **_when(i), **typed_entry(fields, stage_names)} for i, fields in entries]
+
+
+def _when(entry_id: str) -> dict:
+    """``at_ms`` and ``at`` (ISO 8601, UTC): when Redis appended the entry (its stream id's time)."""
+    ms = int(entry_id.split("-", 1)[0])
+    at = datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    return {"at_ms": ms, "at": f"{at}.{ms % 1000:03d}Z"}
 
 
 @bp.get("/<job_id>/audit")

@@ -174,7 +174,8 @@ VIEW_SCHEMAS: dict[str, Any] = {
                       lease_deadline_ms=_nullable(INT)),
     "BatchList": _obj(["batches"], batches={"type": "array", "items": _ref("BatchView")}),
     "LogEntries": _obj(["entries"], entries={"type": "array",
-                                             "items": _obj(["id"], id=STR, event=STR)}),
+                                             "items": _obj(["id", "at_ms", "at"], id=STR, event=STR,
+                                                           at_ms=INT, at=STR)}),
     "LeaseEnvelope": _obj(
         ["job_id", "seq", "stage", "stage_index", "attempt", "idempotency_key", "lease_token",
          "lease_deadline"],
