@@ -40,6 +40,7 @@ LEDGER_RETRY_AFTER = timedelta(seconds=2)  # a Redis restart from its AOF takes 
 def create_app(settings: Settings | None = None, client: redis.Redis | None = None) -> Flask:
     """Build the WSGI app; with no client, connect as settings say (no URL: join a running `up`)."""
     from gateway.api import callbacks, flows, health, jobs, pull, subscriptions
+    from gateway.console import views as console
     from gateway.ledger.embedded import connect
     from gateway.push.dispatch import Dispatcher
     from gateway.push.supervisor import recovery_gate
@@ -70,12 +71,13 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     services.spool = CallbackSpool(settings.data_dir / "callback-spool",
                                    lambda token, body: callbacks.commit_callback(services, token, body))
     services.spool.start()  # what an earlier process spooled is committed once Redis answers
-    for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp, subscriptions.bp):
+    for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp, subscriptions.bp, console.bp):
         app.register_blueprint(bp)
     if deferred_check:
         app.before_request(ledger.check_digest_agreement)  # a no-op once it has passed
     app.before_request(_authenticate)
     startup = recovery_gate(ledger, "api")  # a restart's recovery is decided before any job request
+    app.extensions["batchgate.startup"] = startup  # the console waits on it too (console/views.py)
     app.before_request(lambda: _recovery_decided(startup))
     app.before_request(_json_bodies_only)
     app.after_request(_no_content_no_type)
@@ -106,9 +108,11 @@ def _finite(value: Any) -> Any:
 
 
 def _json_bodies_only() -> None:
-    """415 for any body that is not JSON, on every route (json_body checks again where it reads); 413
-    for a chunked body over the limit."""
+    """415 for any body that is not JSON, on every route but the console's HTML forms (json_body checks
+    again where it reads); 413 for a chunked body over the limit."""
     if request.method not in BODY_METHODS or request.routing_exception is not None:
+        return
+    if request.blueprint == "console":  # form posts, each checked for its CSRF token (console/views.py)
         return
     chunked = "chunked" in request.headers.get("Transfer-Encoding", "").lower()
     if request.content_length or chunked:
