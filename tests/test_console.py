@@ -152,6 +152,9 @@ def test_a_person_runs_jobs_from_the_console(console, browser, scene, ledger):
         lease = ledger.lease(scene["running"])
         ledger.complete(scene["running"], lease.seq, lease.lease_token, {"ok": True})
     wait_for(driver, lambda: text_of(driver, "#items").startswith("3 / 30"), "live progress")
+    driver.refresh()  # the batch list is not live: the page as it is now
+    first = driver.find_element("css selector", "#batches tbody tr").text.split()
+    assert first[:4] == ["0", "completed", "store", "3"]  # batch 0: status, stage, its 3 items
 
     # pause; a migration to a version that renames a stage in use is refused, with its problem shown
     click(driver, "do-pause")

@@ -50,10 +50,11 @@ class NavItem:
 
     endpoint: str
     label: str
+    section: str  # the item is current on every page whose endpoint starts with this
 
 
 #: The navigation bar. Another page (an approvals inbox) adds its item here when it registers its routes.
-NAV: list[NavItem] = [NavItem("console.jobs", "Jobs")]
+NAV: list[NavItem] = [NavItem("console.jobs", "Jobs", "console.job")]
 
 
 def sessions() -> SessionStore:
