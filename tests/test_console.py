@@ -253,3 +253,63 @@ def test_pages_are_not_cached_framed_or_scripted_inline(console, scene):
     signed_out = requests.get(f"{console}/console/jobs/{scene['running']}/live", timeout=10,
                               headers={"X-Console-Poll": "1"}, allow_redirects=False)
     assert signed_out.status_code == 401  # the live region reloads the page, which asks to sign in
+
+
+def test_jobs_list_pages_with_the_index_cursor_and_its_live_rows_keep_the_page(console, registry, jobs):
+    register(registry, "acme", "many", {"1": ("score",)}, count=3)
+    made = [jobs.create("acme", JobRequest(flow_id="many"))["job_id"] for _ in range(27)]
+    http = signed_in(console)
+    first = http.get(f"{console}/console/jobs", params={"flow_id": "many"}, timeout=10)
+    shown = set(re.findall(r'data-job="(job_[^"]+)"', first.text))
+    assert len(shown) == 25 and shown <= set(made)
+    nxt = re.search(r'href="([^"]+)" id="next-page"', first.text).group(1)
+    second = http.get(console + nxt.replace("&amp;", "&"), timeout=10)
+    rest = set(re.findall(r'data-job="(job_[^"]+)"', second.text))
+    assert rest == set(made) - shown and 'id="next-page"' not in second.text
+    poll = re.search(r'data-poll="([^"]+)"', second.text).group(1).replace("&amp;", "&")
+    rows = http.get(console + poll, headers={"X-Console-Poll": "1"}, timeout=10)
+    assert set(re.findall(r'data-job="(job_[^"]+)"', rows.text)) == rest  # the same page, refreshed
+    bad = http.get(f"{console}/console/jobs", params={"status": "sleeping"}, timeout=10)
+    assert bad.status_code == 422 and 'id="problem"' in bad.text and "status must be one of" in bad.text
+    other = http.get(f"{console}/console/jobs", params={"flow_id": "beta", "cursor": nxt.split("cursor=")[1]},
+                     timeout=10)
+    assert other.status_code == 422 and "other filters" in other.text  # a cursor of another listing
+
+
+def test_retry_failed_resume_from_a_cursor_and_cancel_from_the_console(console, scene, ledger, redis_client):
+    http = signed_in(console)
+    page = http.get(f"{console}/console/jobs/{scene['broken']}", timeout=10)
+    csrf = csrf_of(page.text)
+    job_url = f"{console}/console/jobs/{scene['broken']}"
+    resp = http.post(f"{job_url}/retry-failed", data={"csrf": csrf}, timeout=10)
+    assert resp.status_code == 200 and "Failed batches re-opened." in resp.text
+    assert ledger.job_fields(scene["broken"])["n_failed"] == "0"
+
+    run_url = f"{console}/console/jobs/{scene['running']}"
+    resp = http.post(f"{run_url}/resume-cursor", timeout=10,
+                     data={"csrf": csrf, "cursor": '{"type": "offset", "offset": 9}', "reason": "skip 9"})
+    assert resp.status_code == 200 and "Re-planned from the cursor." in resp.text
+    assert "cursor_moved" in resp.text and "skip 9" in resp.text  # the audit trail names it
+    resp = http.post(f"{run_url}/cancel", data={"csrf": csrf, "reason": "wrong list"}, timeout=10)
+    assert resp.status_code == 200 and "Cancelled." in resp.text
+    assert ledger.job_fields(scene["running"])["status"] == "cancelled"
+    resp = http.post(f"{run_url}/migrate", data={"csrf": csrf, "flow_version": "2", "reason": ""},
+                     timeout=10)
+    assert resp.status_code == 422 and "reason" in resp.text  # the API's validation, shown
+
+    session_key = next(iter(redis_client.scan_iter("*console:session:*")))
+    assert 12 * 3600 - 60 < redis_client.ttl(session_key) <= 12 * 3600
+    assert TOKEN not in str(redis_client.hgetall(session_key))
+
+
+def test_sign_in_sends_back_to_the_page_asked_for_and_nowhere_else(console, scene):
+    http = requests.Session()
+    resp = http.get(f"{console}/console/jobs/{scene['running']}", timeout=10)
+    assert resp.url.startswith(f"{console}/console/sign-in?next=")
+    resp = http.post(f"{console}/console/sign-in", timeout=10,
+                     data={"token": TOKEN, "next": f"/console/jobs/{scene['running']}"})
+    assert resp.url == f"{console}/console/jobs/{scene['running']}"
+    for evil in ("https://evil.example/", "//evil.example/console/", "/console/../v1/jobs"):
+        resp = requests.post(f"{console}/console/sign-in", data={"token": TOKEN, "next": evil},
+                             allow_redirects=False, timeout=10)
+        assert resp.headers["Location"] == "/console/jobs", evil
