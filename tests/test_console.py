@@ -19,9 +19,9 @@ import time
 import pytest
 import requests
 
+from gateway.console.sessions import COOKIE
 from gateway.ledger.flows import parse_flow
 from gateway.ledger.jobs import JobRequest
-from gateway.console.sessions import COOKIE
 from tests.conftest import OTHER_TOKEN, TOKEN
 
 CHROMIUM = os.environ.get("BATCHGATE_TEST_CHROMIUM", "/usr/bin/chromium")
@@ -33,8 +33,9 @@ def chromium_driver():
     """A headless chromium session; fails (never skips) when Debian's chromium or its driver is absent."""
     missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not shutil.which(path)]
     if missing:
-        pytest.fail(f"the console's browser test needs Debian's chromium and its driver ({', '.join(missing)} "
-                    "not found): apt-get install -y chromium chromium-driver", pytrace=False)
+        pytest.fail(f"the console's browser test needs Debian's chromium and its driver "
+                    f"({', '.join(missing)} not found): apt-get install -y chromium chromium-driver",
+                    pytrace=False)
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -144,14 +145,22 @@ def test_a_person_runs_jobs_from_the_console(console, browser, scene, ledger):
     rows = text_of(driver, "#job-rows")
     assert scene["running"] in rows and scene["broken"] not in rows
 
-    # open the running job; its progress is live (a batch completes elsewhere, the page follows)
+    def commit_next_batch() -> None:  # both stages of the next batch, as a worker elsewhere would
+        for _ in range(2):
+            lease = ledger.lease(scene["running"])
+            ledger.complete(scene["running"], lease.seq, lease.lease_token, {"ok": True})
+
+    # the list's rows are live: a batch committed elsewhere shows up without a reload
+    commit_next_batch()
+    wait_for(driver, lambda: "3 / 30" in text_of(driver, f'tr[data-job="{scene["running"]}"]'),
+             "the list's live progress")
+
+    # open the running job; its progress is live too
     driver.find_element("link text", scene["running"]).click()
     wait_for(driver, lambda: text_of(driver, "#job-id") == scene["running"], "the job page")
-    assert text_of(driver, "#job-status") == "running"
-    for _ in range(2):  # both stages of batch 0: 3 items committed
-        lease = ledger.lease(scene["running"])
-        ledger.complete(scene["running"], lease.seq, lease.lease_token, {"ok": True})
-    wait_for(driver, lambda: text_of(driver, "#items").startswith("3 / 30"), "live progress")
+    assert text_of(driver, "#job-status") == "running" and text_of(driver, "#items").startswith("3 / 30")
+    commit_next_batch()
+    wait_for(driver, lambda: text_of(driver, "#items").startswith("6 / 30"), "the job's live progress")
     driver.refresh()  # the batch list is not live: the page as it is now
     first = driver.find_element("css selector", "#batches tbody tr").text.split()
     assert first[:4] == ["0", "completed", "store", "3"]  # batch 0: status, stage, its 3 items

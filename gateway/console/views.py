@@ -4,7 +4,7 @@ template filters its pages share."""
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from gateway.console import jobs as _jobs  # noqa: F401  (registers the job pages on bp)
@@ -19,7 +19,7 @@ def when(ms: int | None) -> str:
     """Epoch milliseconds as a UTC time, to the second."""
     if not ms:
         return ""
-    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 @bp.app_template_filter("console_json")
