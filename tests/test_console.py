@@ -322,3 +322,18 @@ def test_sign_in_sends_back_to_the_page_asked_for_and_nowhere_else(console, scen
         resp = requests.post(f"{console}/console/sign-in", data={"token": TOKEN, "next": evil},
                              allow_redirects=False, timeout=10)
         assert resp.headers["Location"] == "/console/jobs", evil
+
+
+def test_the_cookie_is_secure_over_https_or_behind_an_https_public_url(settings, redis_client):
+    from gateway.api.app import create_app
+
+    app = create_app(settings, redis_client)
+    for base_url, secure in (("http://localhost", False), ("https://localhost", True)):
+        resp = app.test_client().post("/console/sign-in", data={"token": TOKEN}, base_url=base_url)
+        cookie = resp.headers["Set-Cookie"]
+        assert resp.status_code == 303 and "HttpOnly" in cookie and "SameSite=Strict" in cookie
+        assert ("; Secure" in cookie) is secure
+    https_public = create_app(settings.model_copy(update={"public_url": "https://batchgate.example"}),
+                              redis_client)
+    resp = https_public.test_client().post("/console/sign-in", data={"token": TOKEN})
+    assert "; Secure" in resp.headers["Set-Cookie"]  # TLS ends at a proxy in front
