@@ -186,7 +186,7 @@ def _act(action: str, job_id: str) -> None:
 
 
 @bp.post("/jobs/<job_id>/<any(pause, resume, cancel, 'retry-failed', 'resume-cursor', migrate):action>")
-def act(job_id: str, action: str) -> Any:
+def job_act(job_id: str, action: str) -> Any:
     """Pause, resume, cancel, retry-failed, resume-by-cursor, migrate; a refusal shows its problem."""
     services().jobs.owned_spec(current().tenant, job_id)  # another tenant's job: the 404 page
     try:
