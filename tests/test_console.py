@@ -337,3 +337,45 @@ def test_the_cookie_is_secure_over_https_or_behind_an_https_public_url(settings,
                               redis_client)
     resp = https_public.test_client().post("/console/sign-in", data={"token": TOKEN})
     assert "; Secure" in resp.headers["Set-Cookie"]  # TLS ends at a proxy in front
+
+
+def test_another_tenants_job_is_a_404_on_every_console_route(console, scene, ledger):
+    http = signed_in(console)
+    csrf = csrf_of(http.get(f"{console}/console/jobs", timeout=10).text)
+    other = f"{console}/console/jobs/{scene['other']}"
+    assert http.get(f"{other}/live", headers={"X-Console-Poll": "1"}, timeout=10).status_code == 404
+    for action in ("pause", "resume", "cancel", "retry-failed", "resume-cursor", "migrate"):
+        resp = http.post(f"{other}/{action}", timeout=10,
+                         data={"csrf": csrf, "cursor": "{}", "flow_version": "1", "reason": "x"})
+        assert resp.status_code == 404, action
+        nobody = http.post(f"{console}/console/jobs/job_nobody/{action}", timeout=10,
+                           data={"csrf": csrf, "cursor": "{}", "flow_version": "1", "reason": "x"})
+        assert resp.text.replace(scene["other"], "ID") == nobody.text.replace("job_nobody", "ID")
+    assert ledger.job_fields(scene["other"])["status"] == "running"  # untouched
+    assert ledger.r.xlen(ledger.keys.job(scene["other"]).audit) == 1  # only its creation
+
+
+def test_the_log_pages_back_and_signing_in_again_ends_the_old_session(console, scene, ledger, redis_client):
+    from tests.conftest import drain
+
+    drain(ledger, scene["running"])  # 10 batches, 2 stages: over 40 log entries
+    http = signed_in(console)
+    page = http.get(f"{console}/console/jobs/{scene['running']}", timeout=10)
+
+    def log_ids(html: str) -> list[tuple[int, int]]:
+        block = html.split('<ol class="stream" id="log">')[1].split("</ol>")[0]
+        return [tuple(map(int, i.split("-"))) for i in re.findall(r'data-id="([0-9-]+)"', block)]
+
+    newest = log_ids(page.text)
+    assert len(newest) == 30 and newest == sorted(newest, reverse=True)
+    older = re.search(r'href="([^"]+)" id="log-older"', page.text).group(1).replace("&amp;", "&")
+    back = http.get(console + older, timeout=10)
+    rest = log_ids(back.text)
+    assert rest and max(rest) < min(newest)  # the next 30 back, none shown twice
+    total = ledger.r.xlen(ledger.keys.job(scene["running"]).log)
+    assert len(newest) + len(rest) == min(total, 60)
+
+    assert len(list(redis_client.scan_iter("*console:session:*"))) == 1
+    http.post(f"{console}/console/sign-in", data={"token": OTHER_TOKEN}, timeout=10)
+    assert len(list(redis_client.scan_iter("*console:session:*"))) == 1  # the acme session is gone
+    assert "tenant <strong>globex</strong>" in http.get(f"{console}/console/jobs", timeout=10).text

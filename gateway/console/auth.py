@@ -140,6 +140,9 @@ def sign_in_post() -> Any:
     if tenant is None:
         return render_template("console/sign_in.html", next=nxt,
                                error="That token is not one batchgate knows."), 401
+    previous = request.cookies.get(COOKIE)
+    if previous:
+        sessions().delete(previous)  # signing in again (as another tenant, say) ends the old session
     session = sessions().create(tenant, token)
     log.info("console sign-in tenant=%s", tenant)
     resp = redirect(nxt or url_for("console.jobs"), code=303)

@@ -9,6 +9,7 @@ with the problem (status, title, detail, what is incompatible) and the problem's
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from flask import redirect, render_template, request, url_for
@@ -33,6 +34,7 @@ PAGE_SIZE = 25
 BATCH_PAGE = 20
 FAILED_SHOWN = 20
 STREAM_SHOWN = 30  # newest log and audit entries on the job page
+STREAM_ID = r"[0-9]{1,19}-[0-9]{1,19}"  # a log or audit entry id (paging back)
 FINAL = frozenset({"succeeded", "failed", "cancelled"})
 #: What the page says after an action went through (the redirect names the action, never free text).
 NOTICES = {"pause": "Paused.", "resume": "Resumed.", "cancel": "Cancelled.",
@@ -90,10 +92,14 @@ def _int_arg(name: str, default: int) -> int:
     return int(raw) if raw.lstrip("-").isdigit() and -1 <= int(raw) < 2**53 else default
 
 
-def _recent(key: str, stage_names: list[str] | None) -> list[dict[str, Any]]:
-    """The newest entries of a log or audit stream, newest first."""
-    return [{"id": i, **typed_entry(fields, stage_names)}
-            for i, fields in services().redis.xrevrange(key, "+", "-", count=STREAM_SHOWN)]
+def _recent(key: str, stage_names: list[str] | None, arg: str) -> tuple[list[dict[str, Any]], str | None]:
+    """The newest entries of a log or audit stream (newest first), before the entry id in query
+    argument ``arg`` if given; and that argument's value for the older page (None: no older entries)."""
+    before = request.args.get(arg, "")
+    top = f"({before}" if re.fullmatch(STREAM_ID, before) else "+"
+    found = services().redis.xrevrange(key, top, "-", count=STREAM_SHOWN + 1)
+    entries = [{"id": i, **typed_entry(fields, stage_names)} for i, fields in found[:STREAM_SHOWN]]
+    return entries, entries[-1]["id"] if len(found) > STREAM_SHOWN else None
 
 
 def _failed(job_id: str, spec: Any) -> list[dict[str, Any]]:
@@ -121,6 +127,8 @@ def _job_context(job_id: str) -> dict[str, Any]:
     listed = listed[:BATCH_PAGE]
     k = svc.ledger.keys.job(job_id)
     names = [s.name for s in spec.flow.stages]
+    log, log_older = _recent(k.log, names, "log_before")
+    audit, audit_older = _recent(k.audit, None, "audit_before")
     return {
         "job": view, "counts": batch_counts(view), "batches": listed, "batch_status": status,
         "batch_statuses": BATCH_STATUSES,
@@ -128,9 +136,17 @@ def _job_context(job_id: str) -> dict[str, Any]:
         if more else None,
         "batches_first": url_for("console.job", job_id=job_id, batches=status) if after >= 0 else None,
         "failed": _failed(job_id, spec) if view["batches"]["failed"] else [],
-        "log": _recent(k.log, names), "audit": _recent(k.audit, None),
+        "log": log, "log_older": _older(job_id, "log_before", log_older),
+        "audit": audit, "audit_older": _older(job_id, "audit_before", audit_older),
         "versions": [ver for fid, ver in _flow_versions() if fid == spec.flow.id],
     }
+
+
+def _older(job_id: str, arg: str, before: str | None) -> str | None:
+    """The job page with one stream's older entries (the other arguments kept)."""
+    if before is None:
+        return None
+    return url_for("console.job", job_id=job_id, **(request.args.to_dict() | {arg: before}))
 
 
 def batch_counts(view: dict[str, Any]) -> dict[str, int]:
