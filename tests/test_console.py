@@ -257,6 +257,11 @@ def test_pages_are_not_cached_framed_or_scripted_inline(console, scene):
     assert resp.headers["Cache-Control"] == "no-store" and resp.headers["X-Frame-Options"] == "DENY"
     assert "script-src 'self'" in resp.headers["Content-Security-Policy"]
     assert "<script>" not in resp.text and " style=" not in resp.text
+    for name, kind in (("console.css", "text/css"), ("console.js", "text/javascript")):
+        static = requests.get(f"{console}/console/static/{name}", timeout=10)  # no session needed
+        assert static.status_code == 200 and static.headers["Content-Type"].startswith(kind)
+    typo = http.get(f"{console}/console/jbos", timeout=10)
+    assert typo.status_code == 404 and typo.headers["Content-Type"].startswith("text/html")
     poll = http.get(f"{console}/console/jobs/{scene['running']}/live", timeout=10)
     assert poll.status_code == 200 and 'id="job-status"' in poll.text
     signed_out = requests.get(f"{console}/console/jobs/{scene['running']}/live", timeout=10,

@@ -122,6 +122,12 @@ def home() -> Response:
     return redirect(url_for("console.jobs"), code=303)
 
 
+@bp.route("/<path:unknown>", methods=["GET", "POST"])
+def no_such_page(unknown: str) -> Response:
+    """A mistyped console address is the console's 404 page, not the API's problem document."""
+    return error_page(404, "Not Found", "There is no such console page.")
+
+
 @bp.get("/sign-in")
 def sign_in() -> Any:
     if sessions().get(request.cookies.get(COOKIE)) is not None:
