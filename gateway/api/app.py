@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 import traceback
@@ -28,6 +27,7 @@ from gateway.errors import (
 from gateway.ledger.flows import FlowRegistry
 from gateway.ledger.jobs import JobService
 from gateway.ledger.ledger import Ledger
+from gateway.security import tenant_for_token
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -159,9 +159,7 @@ def _authenticate() -> None:
     scheme, _, token = header.partition(" ")
     tenant = None
     if scheme.lower() == "bearer" and token:
-        for known, name in services.settings.token_map().items():
-            if hmac.compare_digest(known.encode(), token.strip().encode()):
-                tenant = name
+        tenant = tenant_for_token(services.settings.token_map(), token)
     if tenant is None:
         raise Unauthorized("a valid bearer token is required (Authorization: Bearer <token>)")
     g.tenant = tenant

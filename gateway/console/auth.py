@@ -27,8 +27,9 @@ from flask import (
 from werkzeug.exceptions import HTTPException
 
 from gateway.api.common import Services, request_services
-from gateway.console.sessions import COOKIE, COOKIE_PATH, SESSION_TTL, Session, SessionStore, tenant_for_token
+from gateway.console.sessions import COOKIE, COOKIE_PATH, SESSION_TTL, Session, SessionStore
 from gateway.errors import BatchgateError, RetryableError
+from gateway.security import tenant_for_token
 
 log = logging.getLogger(__name__)
 bp = Blueprint("console", __name__, url_prefix="/console", template_folder="templates",
@@ -142,7 +143,7 @@ def sign_in_post() -> Any:
         return error_page(403, "Forbidden", "The sign-in form must be sent from this console.")
     token = request.form.get("token", "")
     nxt = _safe_next(request.form.get("next"))
-    tenant = tenant_for_token(services().settings, token) if 0 < len(token) <= 1000 else None
+    tenant = tenant_for_token(services().settings.token_map(), token) if 0 < len(token) <= 1000 else None
     if tenant is None:
         return render_template("console/sign_in.html", next=nxt,
                                error="That token is not one batchgate knows."), 401

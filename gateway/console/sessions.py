@@ -52,15 +52,6 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def tenant_for_token(settings: Settings, token: str) -> str | None:
-    """The tenant a bearer token belongs to (compared in constant time), None for an unknown one."""
-    tenant = None
-    for known, name in settings.token_map().items():
-        if hmac.compare_digest(known.encode(), token.strip().encode()):
-            tenant = name
-    return tenant
-
-
 class SessionStore:
     """Console sessions in Redis: one hash per session, expiring ``SESSION_TTL`` after sign-in."""
 
