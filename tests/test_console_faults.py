@@ -13,8 +13,6 @@ from gateway.ledger.embedded import EmbeddedRedis, client_for
 from gateway.settings import Settings
 from tests.conftest import TOKEN
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture
 def own_redis(tmp_path):
