@@ -49,7 +49,8 @@ def advance(ledger, job_id: str, leases: int, fail_every: int = 0) -> None:
                         "platform answered 502 Bad Gateway: upstream model timed out after 60 s",
                         retryable=False)
         else:
-            ledger.complete(job_id, lease.seq, lease.lease_token, {"score": 0.8})
+            ledger.complete(job_id, lease.seq, lease.lease_token,
+                            {"scores": [{"item": n, "score": 0.8, "reason": "strong match"} for n in range(3)]})
 
 
 def demo_jobs(app) -> dict[str, str]:
@@ -122,6 +123,8 @@ def main() -> None:
             shoot(driver, out / "jobs.png")
             driver.get(f"{base}/console/jobs/{made['main']}")
             shoot(driver, out / "job.png")
+            driver.get(f"{base}/console/jobs/{made['main']}/batches/7")
+            shoot(driver, out / "batch.png", full=False)
             driver.get(f"{base}/console/jobs/{made['main']}")
             driver.find_element("id", "do-pause").click()
             time.sleep(0.3)

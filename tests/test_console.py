@@ -187,6 +187,10 @@ def test_a_person_runs_jobs_from_the_console(console, browser, scene, ledger):
     driver.get(f"{base}/console/jobs/{scene['broken']}")
     failed = wait_for(driver, lambda: text_of(driver, "#failed-batches"), "the failed batches")
     assert "model overloaded" in failed and "score" in failed
+    driver.find_element("css selector", "#failed-batches tbody a").click()  # the batch in full
+    wait_for(driver, lambda: text_of(driver, "#batch-title") == "Batch 0", "the batch page")
+    assert "model overloaded" in text_of(driver, "#batch-error")
+    assert text_of(driver, "#batch-status") == "failed"
 
     # another tenant's job is a 404, the same page as a job that never existed
     driver.get(f"{base}/console/jobs/{scene['other']}")
@@ -349,6 +353,9 @@ def test_another_tenants_job_is_a_404_on_every_console_route(console, scene, led
     csrf = csrf_of(http.get(f"{console}/console/jobs", timeout=10).text)
     other = f"{console}/console/jobs/{scene['other']}"
     assert http.get(f"{other}/live", headers={"X-Console-Poll": "1"}, timeout=10).status_code == 404
+    assert http.get(f"{other}/batches/0", timeout=10).status_code == 404
+    mine = http.get(f"{console}/console/jobs/{scene['running']}/batches/999", timeout=10)
+    assert mine.status_code == 404 and "has no batch 999" in mine.text
     for action in ("pause", "resume", "cancel", "retry-failed", "resume-cursor", "migrate"):
         resp = http.post(f"{other}/{action}", timeout=10,
                          data={"csrf": csrf, "cursor": "{}", "flow_version": "1", "reason": "x"})

@@ -163,6 +163,14 @@ def job(job_id: str) -> Any:
     return render_job(job_id)
 
 
+@bp.get("/jobs/<job_id>/batches/<int:seq>")
+def job_batch(job_id: str, seq: int) -> Any:
+    """One batch in full: cursors, each stage's status and output, its error and attempts."""
+    view = services().jobs.view(current().tenant, job_id)
+    return render_template("console/batch.html", job=view,
+                           batch=services().jobs.batch(current().tenant, job_id, seq))
+
+
 @bp.get("/jobs/<job_id>/live")
 def job_live(job_id: str) -> Any:
     """The job's status and progress alone: the live region polls this every 2 s."""

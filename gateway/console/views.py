@@ -29,6 +29,13 @@ def as_json(value: Any, limit: int | None = JSON_SHOWN) -> str:
     return text if limit is None or len(text) <= limit else text[:limit - 1] + "\u2026"
 
 
+@bp.app_template_filter("console_pretty")
+def pretty(value: Any, limit: int = 4000) -> str:
+    """A value as indented JSON (a stage's output), cut to ``limit`` characters."""
+    text = json.dumps(value, ensure_ascii=False, indent=2, default=str)
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
+
+
 @bp.app_template_filter("console_duration")
 def duration(seconds: float | None) -> str:
     """Seconds as "42 s", "7 min" or "3 h 05 min"."""
