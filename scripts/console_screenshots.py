@@ -49,8 +49,8 @@ def advance(ledger, job_id: str, leases: int, fail_every: int = 0) -> None:
                         "platform answered 502 Bad Gateway: upstream model timed out after 60 s",
                         retryable=False)
         else:
-            ledger.complete(job_id, lease.seq, lease.lease_token,
-                            {"scores": [{"item": n, "score": 0.8, "reason": "strong match"} for n in range(3)]})
+            scores = [{"item": n, "score": 0.8, "reason": "strong match"} for n in range(3)]
+            ledger.complete(job_id, lease.seq, lease.lease_token, {"scores": scores})
 
 
 def demo_jobs(app) -> dict[str, str]:
