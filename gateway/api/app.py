@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 import traceback
@@ -29,6 +28,7 @@ from gateway.errors import (
 from gateway.ledger.flows import FlowRegistry
 from gateway.ledger.jobs import JobService
 from gateway.ledger.ledger import Ledger
+from gateway.security import tenant_for_token
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ LEDGER_RETRY_AFTER = timedelta(seconds=2)  # a Redis restart from its AOF takes 
 def create_app(settings: Settings | None = None, client: redis.Redis | None = None) -> Flask:
     """Build the WSGI app; with no client, connect as settings say (no URL: join a running `up`)."""
     from gateway.api import callbacks, flows, health, jobs, pull, subscriptions
+    from gateway.console import views as console
     from gateway.ledger.embedded import connect
     from gateway.push.dispatch import Dispatcher
     from gateway.push.supervisor import recovery_gate
@@ -74,7 +75,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     services.spool = CallbackSpool(settings.data_dir / "callback-spool",
                                    lambda token, body: callbacks.commit_callback(services, token, body))
     services.spool.start()  # what an earlier process spooled is committed once Redis answers
-    for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp, subscriptions.bp):
+    for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp, subscriptions.bp, console.bp):
         app.register_blueprint(bp)
     if deferred_check:
         app.before_request(ledger.check_digest_agreement)  # a no-op once it has passed
@@ -82,6 +83,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     app.before_request(_bind_log_context)
     app.teardown_request(_unbind_log_context)
     startup = recovery_gate(ledger, "api")  # a restart's recovery is decided before any job request
+    app.extensions["batchgate.startup"] = startup  # the console waits on it too (console/views.py)
     app.before_request(lambda: _recovery_decided(startup))
     app.before_request(_json_bodies_only)
     app.after_request(_no_content_no_type)
@@ -127,9 +129,11 @@ def _finite(value: Any) -> Any:
 
 
 def _json_bodies_only() -> None:
-    """415 for any body that is not JSON, on every route (json_body checks again where it reads); 413
-    for a chunked body over the limit."""
+    """415 for any body that is not JSON, on every route but the console's HTML forms (json_body checks
+    again where it reads); 413 for a chunked body over the limit."""
     if request.method not in BODY_METHODS or request.routing_exception is not None:
+        return
+    if request.blueprint == "console":  # form posts, each checked for its CSRF token (console/views.py)
         return
     chunked = "chunked" in request.headers.get("Transfer-Encoding", "").lower()
     if request.content_length or chunked:
@@ -176,9 +180,7 @@ def _authenticate() -> None:
     scheme, _, token = header.partition(" ")
     tenant = None
     if scheme.lower() == "bearer" and token:
-        for known, name in services.settings.token_map().items():
-            if hmac.compare_digest(known.encode(), token.strip().encode()):
-                tenant = name
+        tenant = tenant_for_token(services.settings.token_map(), token)
     if tenant is None:
         raise Unauthorized("a valid bearer token is required (Authorization: Bearer <token>)")
     g.tenant = tenant
