@@ -215,7 +215,8 @@ def test_csv_file_job_reports_progress_and_eta_by_bytes(api, tmp_path):
     # the CLI's bar: bytes of the file while the count is unknown, then items
     unknown = {**final, "items_total": None, "bytes_done": size // 2}  # as before the file's end is read
     assert _measure(unknown) == (size, size // 2, "B")
-    assert _measure(final) == (10, 10, "items")
+    assert _measure(final) == (size, size, "B")  # one unit for the whole run: no jump at the end
+    assert _measure({**final, "bytes_total": None}) == (10, 10, "items")
 
 
 def test_jsonl_url_job_takes_its_size_from_content_length(api, serve):

@@ -310,49 +310,68 @@ def jobs_migrate(client: Client, job_id: str, flow_version: str, reason: str) ->
 
 # -- progress --------------------------------------------------------------------------------------
 
-def watch_job(client: Client, job_id: str, interval_s: float = 0.5, stream=None) -> dict[str, Any]:
-    """A progress bar (tqdm) until the job ends; returns the final view.
+class ProgressBar:
+    """A job's progress as a tqdm bar, redrawn from each job view given to :meth:`update`.
 
     Items when the total is known (sequences, inline lists, files once read to the end); bytes of the
     file read when only the size is (jsonl/csv); a count and a rate otherwise (URL sources)."""
-    from tqdm import tqdm
 
-    stream = stream or sys.stderr
-    bar = None
-    unit = None
+    def __init__(self, label: str, stream=None) -> None:
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.bar = None
+        self.unit: str | None = None
+
+    def update(self, job: dict[str, Any]) -> None:
+        from tqdm import tqdm
+
+        total, done, unit = _measure(job)
+        if self.bar is None or unit != self.unit:
+            self.close()
+            self.unit = unit
+            self.bar = tqdm(total=total, unit=unit, unit_scale=unit == "B", file=self.stream,
+                            dynamic_ncols=True, leave=True, desc=self.label, mininterval=0)
+        self.bar.total = total
+        self.bar.set_postfix_str(_postfix(job, unit), refresh=False)
+        if done >= self.bar.n:
+            self.bar.update(done - self.bar.n)  # tqdm's rate and ETA follow what moved, and when
+        else:  # a rewind: the count starts over
+            self.bar.n = done
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def watch_job(client: Client, job_id: str, interval_s: float = 0.5, stream=None) -> dict[str, Any]:
+    """A progress bar until the job ends; returns the final view."""
+    bar = ProgressBar(job_id[-8:], stream)
     try:
         while True:
             job = client.job(job_id)
-            total, done, want = _measure(job)
-            if bar is None or want != unit:
-                if bar is not None:
-                    bar.close()
-                unit = want
-                bar = tqdm(total=total, unit=want, unit_scale=want == "B", file=stream, dynamic_ncols=True,
-                           leave=True, desc=job_id[-8:], mininterval=0)
-            bar.total = total
-            bar.n = done
-            bar.set_postfix_str(_postfix(job), refresh=False)
-            bar.refresh()
+            bar.update(job)
             if job["status"] in TERMINAL:
                 return job
             time.sleep(interval_s)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
 
 
 def _measure(job: dict[str, Any]) -> tuple[float | None, float, str]:
-    if job.get("items_total"):
-        return job["items_total"], job["items_done"], "items"
+    """(total, done, unit): a file's bytes from start to end (one unit for the whole run, so the
+    bar never jumps when the item count becomes known), else items, with their total if known."""
     if job.get("bytes_total"):
         return job["bytes_total"], job.get("bytes_done") or 0, "B"
-    return None, job["items_done"], "items"
+    return job.get("items_total") or None, job["items_done"], "items"
 
 
-def _postfix(job: dict[str, Any]) -> str:
+def _postfix(job: dict[str, Any], unit: str | None = None) -> str:
     b = job["batches"]
     parts = [job["status"], f"{b['completed']}/{b['planned']} batches"]
+    if unit == "B":
+        parts.insert(1, f"{job['items_done']} items")
     if b.get("failed"):
         parts.append(f"{b['failed']} failed")
     if job.get("waiting"):
