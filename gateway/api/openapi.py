@@ -456,7 +456,7 @@ def _operation(route: Route) -> dict[str, Any]:
             resp["content"] = {"application/json": {"schema": _ref(schema)}}
         elif route.path == "/openapi.json":
             resp["content"] = {"application/json": {"schema": OBJ}}
-        if status == 204 and route.path.endswith("/lease"):
+        if status in (200, 204) and route.path.endswith("/lease"):
             resp["headers"] = {"Batchgate-Job-Status": {
                 "schema": {"enum": list(STATUSES)}, "description": "the job's status: wait or stop"}}
         responses[str(status)] = resp
