@@ -6,8 +6,8 @@ import io
 
 import pytest
 
-from gateway.runtime.cli import main
 from gateway.client import Client
+from gateway.runtime.cli import main
 from gateway.runtime.cli_client import watch_job
 from tests.conftest import TOKEN
 
@@ -178,3 +178,15 @@ def test_piping_into_head_is_not_an_error(api, tmp_path):
     run = subprocess.run(f"{sys.executable} -m gateway.runtime.cli jobs show {job_id} | head -1", shell=True,
                          env=env, capture_output=True, text=True, timeout=60)
     assert run.stdout.strip() == "{" and "Traceback" not in run.stderr and "BrokenPipe" not in run.stderr
+
+
+def test_docs_cli_md_shows_every_commands_help_as_it_is():
+    """docs/cli.md is generated (scripts/cli_docs.py); a changed command must regenerate it."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("cli_docs", root / "scripts" / "cli_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (root / "docs" / "cli.md").read_text() == module.render(), "run: python scripts/cli_docs.py"

@@ -32,7 +32,7 @@ from gateway.ledger.embedded import DataDirInUse, NoLedgerRedis, connect
 from gateway.runtime import cli_client
 from gateway.settings import Settings
 
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100, "terminal_width": 100}
 
 
 def _version() -> str:

@@ -19,7 +19,7 @@ import yaml
 
 from gateway.client import TERMINAL, Client, Problem, Unreachable
 
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100, "terminal_width": 100}
 STATUSES = ("running", "paused", "held", "waiting_human", "succeeded", "failed", "cancelled")
 BATCH_STATUSES = ("pending", "leased", "completed", "failed", "superseded", "waiting_human")
 
@@ -220,7 +220,8 @@ def jobs_show(client: Client, job_id: str, watch: bool) -> int:
 @click.option("--status", type=click.Choice(BATCH_STATUSES),
               default=None)
 @click.option("--after", type=int, default=-1, help="batches after this seq")
-@click.option("--limit", type=click.IntRange(1, 1000), default=100, show_default=True)
+@click.option("--limit", type=click.IntRange(1, 1000), default=100, show_default=True,
+              help="batches at most")
 def jobs_batches(client: Client, job_id: str, status: str | None, after: int, limit: int) -> int:
     """Batch summaries in seq order: status, stage, attempts, error."""
     rows = client.batches(job_id, status=status, after=after, limit=limit)
@@ -249,7 +250,8 @@ def _entries(fetch, job_id: str, limit: int, follow: bool) -> None:
 
 @http_command(jobs, "log")
 @click.argument("job_id")
-@click.option("--limit", type=click.IntRange(1, 10_000), default=200, show_default=True)
+@click.option("--limit", type=click.IntRange(1, 10_000), default=200, show_default=True,
+              help="entries per request")
 @click.option("--follow", "-f", is_flag=True, help="keep printing new entries (Ctrl-C to stop)")
 def jobs_log(client: Client, job_id: str, limit: int, follow: bool) -> int:
     """The execution log: planned, stage started and completed, retries, failures..."""
@@ -259,7 +261,8 @@ def jobs_log(client: Client, job_id: str, limit: int, follow: bool) -> int:
 
 @http_command(jobs, "audit")
 @click.argument("job_id")
-@click.option("--limit", type=click.IntRange(1, 10_000), default=200, show_default=True)
+@click.option("--limit", type=click.IntRange(1, 10_000), default=200, show_default=True,
+              help="entries at most")
 def jobs_audit(client: Client, job_id: str, limit: int) -> int:
     """Control events with actor, reason and time: created, paused, resumed, cursor moved, migrated..."""
     _entries(client.audit, job_id, limit, False)
