@@ -1,0 +1,159 @@
+"""Resuming platform runs that wait for a person, against stand-ins on a real socket (tests/standins_waiting.py).
+
+For each platform: the wait is reported as ``WaitingHuman`` with the platform's prompt and a JSON resume
+handle; a decision resumes the run through the platform's API and the run is followed to its output;
+a repeated resume (batchgate crashed between resuming and committing) reads the run's result instead of
+failing; a platform that refuses, fails or hangs is classed so that nothing is resumed twice or lost.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from connectors import get_connector
+from connectors.base import Decision, Done, PlatformError, Retry, Running, WaitingHuman
+from connectors.resume import follow
+from tests.connectors.helpers import N8N_API_KEY, call
+from tests.standins import StandinN8n
+from tests.standins_waiting import REVIEW_NOTE, WaitingN8n
+
+APPROVE = Decision(True, comment="looks right", actor="ana")
+REJECT = Decision(False, comment="wrong total", actor="ana")
+
+
+def waiting(connector, stage_call, handle, session) -> WaitingHuman:
+    """Poll until the run reports it waits for a person; return that report."""
+    for _ in range(50):
+        try:
+            outcome = connector.poll(stage_call, handle, session)
+        except WaitingHuman as err:
+            return err
+        assert isinstance(outcome, Running), outcome
+    raise AssertionError("the run never waited for a person")
+
+
+def roundtrip(handle: dict) -> dict:
+    """Handles are stored as JSON (an approval record): what resume gets back."""
+    return json.loads(json.dumps(handle))
+
+
+# -- n8n ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def n8n():
+    with WaitingN8n(api_key=N8N_API_KEY, run_s=0.2) as server:
+        yield server
+
+
+def n8n_call(server, timeout_s=5.0):
+    return call({"type": "n8n", "url": server.url, "api_url": server.base_url, "api_key_secret": "KEY"},
+                {"api_key_secret": N8N_API_KEY}, timeout_s=timeout_s)
+
+
+def n8n_wait(server, session, behaviour="wait_webhook", timeout_s=5.0):
+    server.plan(behaviour)
+    connector, stage_call = get_connector("n8n"), n8n_call(server, timeout_s)
+    started = connector.trigger(stage_call, session)
+    assert isinstance(started, Running)
+    return connector, stage_call, waiting(connector, stage_call, started.handle, session)
+
+
+def test_an_n8n_wait_node_reports_its_prompt_and_a_resume_handle(n8n, session):
+    _, _, wait = n8n_wait(n8n, session)
+    assert wait.retry is Retry.FATAL and wait.code == "waiting_human"  # a gateway without approvals fails it
+    assert wait.prompt == REVIEW_NOTE
+    execution_id = wait.platform_ids["execution_id"]
+    assert wait.resume == {"platform": "n8n", "execution_id": execution_id, "node": "Review", "node_runs": 0,
+                           "kind": "webhook", "resume_url": f"{n8n.base_url}/webhook-waiting/{execution_id}",
+                           "method": "POST", "can_reject": True}
+    assert json.loads(json.dumps(wait.resume)) == wait.resume
+
+
+def test_approving_resumes_the_n8n_execution_once_and_follows_it_to_its_output(n8n, session):
+    connector, stage_call, wait = n8n_wait(n8n, session)
+    outcome = connector.resume(stage_call, roundtrip(wait.resume), APPROVE, session)
+    assert isinstance(outcome, Running)  # resumed on receipt: the execution is followed by polling
+    done = follow(connector, stage_call, outcome, session, timeout_s=5, interval_s=0.05)
+    assert isinstance(done, Done)
+    assert done.answer.output == {"count": 3, "decision": "approve", "comment": "looks right"}
+    execution_id = wait.platform_ids["execution_id"]
+    assert n8n.resumed[execution_id] == 1
+    sent = n8n.resume_calls[0]
+    assert sent.json["approved"] is True and sent.json["decided_by"] == "ana"
+    assert sent.headers["Idempotency-Key"] == stage_call.idempotency_key  # signed like every call
+
+
+def test_a_second_resume_reads_the_result_instead_of_failing(n8n, session):
+    connector, stage_call, wait = n8n_wait(n8n, session)
+    first = connector.resume(stage_call, wait.resume, APPROVE, session)
+    again = connector.resume(stage_call, wait.resume, APPROVE, session)  # 409 "is running already"
+    assert isinstance(first, Running) and isinstance(again, Running)
+    done = follow(connector, stage_call, again, session, timeout_s=5, interval_s=0.05)
+    late = connector.resume(stage_call, wait.resume, APPROVE, session)  # 409 "has finished already"
+    assert isinstance(done, Done) and isinstance(late, Done) and late.answer == done.answer
+    assert [r.json for r in n8n.resume_calls[1:]] and n8n.resumed[wait.platform_ids["execution_id"]] == 1
+
+
+def test_a_rejection_resumes_the_wait_node_with_the_rejection(n8n, session):
+    connector, stage_call, wait = n8n_wait(n8n, session)
+    done = follow(connector, stage_call, connector.resume(stage_call, wait.resume, REJECT, session), session,
+                  timeout_s=5, interval_s=0.05)
+    assert isinstance(done, Done) and done.answer.output["decision"] == "reject"
+
+
+def test_a_send_and_wait_node_is_resumed_through_its_approval_link(n8n, session):
+    connector, stage_call, wait = n8n_wait(n8n, session, "wait_send")
+    assert wait.prompt == StandinN8n.PROMPT
+    assert wait.resume["kind"] == "send_and_wait" and wait.resume["method"] == "GET"
+    assert wait.resume["resume_url"].endswith(f"/{WaitingN8n.SEND_NODE_ID}")
+    done = follow(connector, stage_call, connector.resume(stage_call, wait.resume, REJECT, session), session,
+                  timeout_s=5, interval_s=0.05)
+    assert isinstance(done, Done) and done.answer.output["decision"] == "reject"
+    assert n8n.resume_calls[0].query == {"approved": "false"}
+
+
+def test_a_signed_send_and_wait_link_is_not_resumable_and_says_how(session):
+    with WaitingN8n(api_key=N8N_API_KEY, signed=True) as server:
+        _, _, wait = n8n_wait(server, session, "wait_send")
+    assert wait.resume is None and "signs its approval links" in wait.how
+    assert "batchgate cannot answer it" in wait.message
+
+
+def test_n8n_refusing_the_resume_with_5xx_is_retryable_and_resumes_nothing(n8n, session):
+    connector, stage_call, wait = n8n_wait(n8n, session)
+    n8n.resume_fail = 1
+    with pytest.raises(PlatformError) as info:
+        connector.resume(stage_call, wait.resume, APPROVE, session)
+    assert info.value.retry is Retry.RETRYABLE and "still waits" in info.value.message
+    assert not n8n.resumed
+    outcome = connector.resume(stage_call, wait.resume, APPROVE, session)  # the retry resumes it
+    assert isinstance(follow(connector, stage_call, outcome, session, timeout_s=5, interval_s=0.05), Done)
+    assert n8n.resumed[wait.platform_ids["execution_id"]] == 1
+
+
+def test_a_resume_at_a_path_n8n_does_not_wait_at_is_fatal(n8n, session):
+    connector, stage_call, wait = n8n_wait(n8n, session)
+    wrong = {**wait.resume, "method": "PUT"}
+    with pytest.raises(PlatformError) as info:
+        connector.resume(stage_call, wrong, APPROVE, session)
+    assert info.value.retry is Retry.FATAL and "matching path/method" in info.value.message
+    assert not n8n.resumed
+
+
+def test_a_resume_whose_answer_hangs_is_known_from_the_execution(n8n, session):
+    connector, stage_call, wait = n8n_wait(n8n, session, timeout_s=0.5)
+    n8n.resume_hang_s = 1.0  # n8n resumes the execution, its answer comes after the call's timeout
+    outcome = connector.resume(stage_call, wait.resume, APPROVE, session)
+    assert isinstance(outcome, (Running, Done))  # not an error: the execution's own state says it resumed
+    assert isinstance(follow(connector, stage_call, outcome, session, timeout_s=5, interval_s=0.05), Done)
+    assert n8n.resumed[wait.platform_ids["execution_id"]] == 1
+
+
+def test_an_unreachable_n8n_is_an_outage_not_a_lost_decision(n8n, session):
+    connector, stage_call, wait = n8n_wait(n8n, session)
+    handle = {**wait.resume, "resume_url": "http://127.0.0.1:9/webhook-waiting/1"}
+    with pytest.raises(PlatformError) as info:
+        connector.resume(stage_call, handle, APPROVE, session)
+    assert info.value.retry is Retry.RETRYABLE and info.value.outage

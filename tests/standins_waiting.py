@@ -1,0 +1,125 @@
+"""Stand-ins whose runs wait for a person and go on when resumed, on a real socket (tests/standins.py).
+
+WaitingN8n (n8n-io/n8n packages/cli/src/webhooks/waiting-webhooks.ts): ``plan("wait_webhook")`` starts an
+execution that waits (``waitTill`` WAIT_INDEFINITELY) at a Wait node "On Webhook Call" (POST, its
+``notes`` the prompt); ``plan("wait_send")`` at a Slack "send and wait" node (``message`` the prompt,
+"Approve and Disapprove"), whose link is ``/webhook-waiting/<id>/<nodeId>?approved=``; ``signed=True``
+marks it ``validateSignature`` (newer n8n signs that link) and refuses unsigned calls with 401. A resume
+request on a waiting execution resumes it: it runs for ``run_s`` and ends with the contract, output
+``{"count", "decision", "comment"}``; the answer is ``{"message": "Workflow was started"}`` (Wait node
+responding on receipt). A resume of an execution that already resumed gets n8n's 409 ("is running
+already" / "has finished already"), of an unknown one 404, of a path/method it does not wait at 404.
+``resumed`` counts the resumes that took, per execution. Faults: ``resume_fail`` (the next N resume calls
+answer 503 without resuming), ``resume_hang_s`` (the execution resumes, the answer comes that much later).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+from tests.platforms import Recorded, Reply
+from tests.standins import WAIT_INDEFINITELY, StandinN8n
+
+REVIEW_NOTE = "Check the shortlist before the e-mails go out"
+
+
+class WaitingN8n(StandinN8n):
+    """StandinN8n whose executions wait for a person and resume through their waiting webhook."""
+
+    BEHAVIOURS = (*StandinN8n.BEHAVIOURS, "wait_webhook", "wait_send")
+    SEND_NODE_ID = "5d1f0c4e-node-ask"
+
+    def __init__(self, *args: Any, signed: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.signed = signed
+        self.resumed: Counter[str] = Counter()
+        self.resume_calls: list[Recorded] = []
+        self.resume_fail = 0
+        self.resume_hang_s = 0.0
+
+    def route(self, req: Recorded, reply: Reply) -> None:
+        if req.path.startswith("/webhook-waiting/"):
+            return self._resume(req, reply)
+        return super().route(req, reply)
+
+    # the waiting webhook
+    def _resume(self, req: Recorded, reply: Reply) -> None:
+        parts = req.path.split("/")[2:]
+        execution_id, suffix = parts[0], "/".join(parts[1:])
+        with self._lock:
+            self.resume_calls.append(req)
+            run = self.executions.get(execution_id)
+            fail = self.resume_fail > 0
+            self.resume_fail -= 1 if fail else 0
+        if fail:
+            return reply.text(503, "Service Unavailable")
+        if run is None:
+            return reply.json(404, {"code": 404, "message": f'The execution "{execution_id}" does not exist.'})
+        if run.get("resumed_at") is not None:
+            done = time.monotonic() - run["resumed_at"] >= self.run_s
+            what = f'"{execution_id} has finished already.' if done else f'"{execution_id}" is running already.'
+            return reply.json(409, {"code": 409, "message": f"The execution {what}"})
+        behaviour = run["behaviour"]
+        if behaviour == "wait_send":
+            if req.method != "GET" or suffix != self.SEND_NODE_ID:
+                return self._no_webhook(execution_id, reply)
+            if self.signed and "signature" not in req.query:
+                return reply.json(401, {"error": "Invalid token"})
+            decision = {"approved": req.query.get("approved") == "true"}
+        elif behaviour == "wait_webhook" and req.method == "POST" and not suffix:
+            decision = req.json or {}
+        else:
+            return self._no_webhook(execution_id, reply)
+        with self._lock:
+            run.update(resumed_at=time.monotonic(), decision=decision)
+            self.resumed[execution_id] += 1
+        if self.resume_hang_s:
+            time.sleep(self.resume_hang_s)
+        reply.json(200, {"message": "Workflow was started"})
+
+    def _no_webhook(self, execution_id: str, reply: Reply) -> None:
+        reply.json(404, {"code": 404, "message": f'The workflow for execution "{execution_id}" does not '
+                                                 f'contain a waiting webhook with a matching path/method.'})
+
+    # the public API
+    def _execution(self, execution_id: str, reply: Reply) -> None:
+        with self._lock:
+            run = self.executions.get(execution_id)
+        if run is None or run["behaviour"] not in ("wait_webhook", "wait_send"):
+            return super()._execution(execution_id, reply)
+        with self._lock:
+            self.polls[execution_id] += 1
+        body = {"id": execution_id, "finished": False, "mode": "webhook", "workflowId": "wf1",
+                "workflowData": {"nodes": self._nodes()}}
+        node = "Review" if run["behaviour"] == "wait_webhook" else "Ask manager"
+        resumed_at = run.get("resumed_at")
+        if resumed_at is None:
+            body.update(status="waiting", waitTill=WAIT_INDEFINITELY,
+                        data={"resultData": {"runData": {}, "lastNodeExecuted": node},
+                              "validateSignature": self.signed})
+        elif time.monotonic() - resumed_at < self.run_s:
+            body.update(status="running", waitTill=None, data={"resultData": {"runData": {}}})
+        else:
+            decision = run["decision"]
+            answer = {"status": "succeeded", "output": {"count": len(run["items"]),
+                                                        "decision": decision.get("decision") or (
+                                                            "approve" if decision.get("approved") else "reject"),
+                                                        "comment": decision.get("comment")}}
+            run_data = {"Respond": [{"data": {"main": [[{"json": answer}]]}}]}
+            body.update(status="success", finished=True,
+                        data={"resultData": {"lastNodeExecuted": "Respond", "runData": run_data}})
+        reply.json(200, body)
+
+    def _nodes(self) -> list[dict[str, Any]]:
+        return [
+            {"id": "b7c2-webhook", "name": "Webhook", "type": "n8n-nodes-base.webhook", "parameters": {}},
+            {"id": "c3a9-review", "name": "Review", "type": "n8n-nodes-base.wait", "notes": REVIEW_NOTE,
+             "parameters": {"resume": "webhook", "httpMethod": "POST", "options": {}}},
+            {"id": self.SEND_NODE_ID, "name": "Ask manager", "type": "n8n-nodes-base.slack",
+             "parameters": {"operation": "sendAndWait", "message": self.PROMPT,
+                            "approvalOptions": {"values": {"approvalType": "double"}}}},
+            {"id": "e5f6-respond", "name": "Respond", "type": "n8n-nodes-base.respondToWebhook",
+             "parameters": {}},
+        ]
