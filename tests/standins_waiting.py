@@ -11,16 +11,28 @@ responding on receipt). A resume of an execution that already resumed gets n8n's
 already" / "has finished already"), of an unknown one 404, of a path/method it does not wait at 404.
 ``resumed`` counts the resumes that took, per execution. Faults: ``resume_fail`` (the next N resume calls
 answer 503 without resuming), ``resume_hang_s`` (the execution resumes, the answer comes that much later).
+
+WaitingDify (langgenius/dify service_api ``human_input_form.py``, ``workflow_events.py``): a streaming run
+pauses at a human-input node whose form (``form_token`` per run, one ``comment`` input, actions ``approve``
+and ``reject`` unless ``actions`` says otherwise) is announced on the stream. ``POST
+/v1/form/human_input/<token>`` ``{inputs, action, user}`` resumes it: the run works ``run_s`` and succeeds
+with outputs ``{"count", "action", "inputs"}``; a second submission gets 412 "Form already submitted or
+expired", an unknown token 404. ``GET /v1/workflow/<run_id>/events?user=`` streams the resumed run (pings)
+to ``workflow_finished``, or answers that one frame when it already ended. ``submitted`` counts accepted
+submissions per run. Faults: ``submit_fail`` (next N submissions answer 503 and change nothing),
+``submit_hang_s`` (the submission takes, its answer comes that much later).
 """
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from collections import Counter
 from typing import Any
 
-from tests.platforms import Recorded, Reply
-from tests.standins import WAIT_INDEFINITELY, StandinN8n
+from tests.platforms import Recorded, Reply, bearer
+from tests.standins import WAIT_INDEFINITELY, StandinDify, StandinN8n
 
 REVIEW_NOTE = "Check the shortlist before the e-mails go out"
 
@@ -123,3 +135,92 @@ class WaitingN8n(StandinN8n):
             {"id": "e5f6-respond", "name": "Respond", "type": "n8n-nodes-base.respondToWebhook",
              "parameters": {}},
         ]
+
+
+class WaitingDify(StandinDify):
+    """StandinDify whose paused runs resume when their human-input form is submitted (module docstring)."""
+
+    PROMPT = "Check the extracted invoice total before it is booked"
+    ACTIONS = ({"id": "approve", "title": "Approve", "button_style": "primary"},
+               {"id": "reject", "title": "Reject", "button_style": "default"})
+
+    def __init__(self, *args: Any, actions: tuple[dict[str, str], ...] = ACTIONS, **kwargs: Any) -> None:
+        kwargs.setdefault("human_input", self.PROMPT)
+        super().__init__(*args, **kwargs)
+        self.actions = list(actions)
+        self.forms: dict[str, str] = {}
+        self.submitted: Counter[str] = Counter()
+        self.submit_calls: list[Recorded] = []
+        self.submit_fail = 0
+        self.submit_hang_s = 0.0
+
+    def route(self, req: Recorded, reply: Reply) -> None:
+        if bearer(req) == self.api_key and req.method == "POST" and req.path.startswith("/v1/form/human_input/"):
+            return self._submit(req.path.rsplit("/", 1)[1], req, reply)
+        if bearer(req) == self.api_key and req.method == "GET" and req.path.startswith("/v1/workflow/") \
+                and req.path.endswith("/events"):
+            return self._events(req.path.split("/")[3], req, reply)
+        return super().route(req, reply)
+
+    def _stream_ends_early(self, run_id: str, frame: Any, reply: Reply) -> None:
+        token = f"form-token-{run_id}"
+        with self._lock:
+            self.runs[run_id]["status"] = "paused"
+            self.forms[token] = run_id
+        form = {"form_id": f"form-{run_id}", "node_id": "approve", "node_title": "Approve refund",
+                "form_content": self.human_input, "form_token": token, "actions": self.actions,
+                "inputs": [{"type": "paragraph", "output_variable_name": "comment", "default": None}],
+                "resolved_default_values": {}, "expiration_time": int(time.time()) + 36 * 3600}
+        frame("human_input_required", form)
+        frame("workflow_paused", {"workflow_run_id": run_id, "paused_nodes": ["approve"],
+                                  "reasons": [{"TYPE": "human_input_required", **form}]})
+        reply.sse_close()
+
+    def _submit(self, token: str, req: Recorded, reply: Reply) -> None:
+        body = req.json or {}
+        with self._lock:
+            self.submit_calls.append(req)
+            fail = self.submit_fail > 0
+            self.submit_fail -= 1 if fail else 0
+            run_id = self.forms.get(token)
+            run = self.runs.get(run_id) if run_id else None
+        if fail:
+            return reply.text(503, "Service Unavailable")
+        if run is None:
+            return self._error(reply, 404, "not_found", "Form not found")
+        if run["status"] != "paused":
+            return self._error(reply, 412, "form_not_active", "Form already submitted or expired")
+        if body.get("action") not in [a["id"] for a in self.actions] or not body.get("user"):
+            return self._error(reply, 400, "invalid_param", "Invalid action or user")
+        with self._lock:
+            run["status"] = "running"
+            self.submitted[run_id] += 1
+
+        def finish() -> None:
+            time.sleep(self.run_s)
+            with self._lock:
+                run.update(status="succeeded", outputs={"count": len(run["items"]), "action": body["action"],
+                                                        "inputs": body.get("inputs") or {}})
+
+        threading.Thread(target=finish, daemon=True).start()
+        if self.submit_hang_s:
+            time.sleep(self.submit_hang_s)
+        reply.json(200, {})
+
+    def _events(self, run_id: str, req: Recorded, reply: Reply) -> None:
+        with self._lock:
+            run = self.runs.get(run_id)
+        if run is None or req.query.get("user") != "batchgate":
+            return self._error(reply, 404, "not_found", "Workflow run not found")
+        reply.sse_open()
+        deadline = time.monotonic() + 10
+        while True:
+            with self._lock:
+                status, record = run["status"], self._record(run_id, run)
+            if status not in ("running", "paused") or time.monotonic() > deadline:
+                break
+            reply.sse("event: ping")
+            time.sleep(self.ping_s)
+        reply.sse("data: " + json.dumps({"event": "workflow_finished", "task_id": f"task-{run_id}",
+                                          "workflow_run_id": run_id, "data": record}))
+        reply.sse_close()

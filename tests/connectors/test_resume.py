@@ -15,9 +15,9 @@ import pytest
 from connectors import get_connector
 from connectors.base import Decision, Done, PlatformError, Retry, Running, WaitingHuman
 from connectors.resume import follow
-from tests.connectors.helpers import N8N_API_KEY, call
+from tests.connectors.helpers import DIFY_KEY, N8N_API_KEY, call
 from tests.standins import StandinN8n
-from tests.standins_waiting import REVIEW_NOTE, WaitingN8n
+from tests.standins_waiting import REVIEW_NOTE, WaitingDify, WaitingN8n
 
 APPROVE = Decision(True, comment="looks right", actor="ana")
 REJECT = Decision(False, comment="wrong total", actor="ana")
@@ -157,3 +157,95 @@ def test_an_unreachable_n8n_is_an_outage_not_a_lost_decision(n8n, session):
     with pytest.raises(PlatformError) as info:
         connector.resume(stage_call, handle, APPROVE, session)
     assert info.value.retry is Retry.RETRYABLE and info.value.outage
+
+
+# -- Dify -----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def dify():
+    with WaitingDify(api_key=DIFY_KEY, run_s=0.2) as server:
+        yield server
+
+
+def dify_call(server, mode="streaming", timeout_s=5.0):
+    return call({"type": "dify", "base_url": server.base_url, "api_key_secret": "KEY", "mode": mode},
+                {"api_key_secret": DIFY_KEY}, timeout_s=timeout_s)
+
+
+def dify_wait(server, session, timeout_s=5.0):
+    connector, stage_call = get_connector("dify"), dify_call(server, timeout_s=timeout_s)
+    with pytest.raises(WaitingHuman) as info:
+        connector.trigger(stage_call, session)
+    return connector, stage_call, info.value
+
+
+def test_a_dify_human_input_node_reports_its_form_as_the_resume_handle(dify, session):
+    _, _, wait = dify_wait(dify, session)
+    assert wait.prompt == WaitingDify.PROMPT and wait.code == "waiting_human"
+    handle = wait.resume
+    run_id = wait.platform_ids["workflow_run_id"]
+    assert handle["platform"] == "dify" and handle["workflow_run_id"] == run_id
+    assert handle["form_token"] == f"form-token-{run_id}" and handle["user"] == "batchgate"
+    assert [a["id"] for a in handle["actions"]] == ["approve", "reject"] and handle["node_title"] == "Approve refund"
+    assert roundtrip(handle) == handle
+
+
+def test_submitting_the_dify_form_resumes_the_run_and_reads_its_outputs(dify, session):
+    connector, stage_call, wait = dify_wait(dify, session)
+    done = connector.resume(stage_call, roundtrip(wait.resume), Decision(True, comment="total ok"), session)
+    assert isinstance(done, Done)  # the resumed run's event stream, read to workflow_finished
+    assert done.answer.output == {"count": 3, "action": "approve", "inputs": {"comment": "total ok"}}
+    assert dify.submitted[wait.platform_ids["workflow_run_id"]] == 1
+    assert dify.submit_calls[0].json["user"] == "batchgate"
+
+
+def test_a_second_dify_submission_reads_the_run_instead_of_failing(dify, session):
+    connector, stage_call, wait = dify_wait(dify, session)
+    first = connector.resume(stage_call, wait.resume, APPROVE, session)
+    again = connector.resume(stage_call, wait.resume, APPROVE, session)  # 412: submitted already
+    assert isinstance(first, Done) and isinstance(again, Done) and again.answer == first.answer
+    assert dify.submitted[wait.platform_ids["workflow_run_id"]] == 1
+
+
+def test_a_dify_rejection_takes_the_forms_reject_action(dify, session):
+    connector, stage_call, wait = dify_wait(dify, session)
+    done = connector.resume(stage_call, wait.resume, REJECT, session)
+    assert isinstance(done, Done) and done.answer.output["action"] == "reject"
+
+
+def test_a_dify_form_without_a_reject_action_is_not_resumed_on_rejection(session):
+    with WaitingDify(api_key=DIFY_KEY, actions=({"id": "ok", "title": "Looks good"},)) as server:
+        connector, stage_call, wait = dify_wait(server, session)
+        with pytest.raises(PlatformError) as info:
+            connector.resume(stage_call, wait.resume, REJECT, session)
+        assert info.value.code == "rejected" and "still waits" in info.value.message
+        assert not server.submit_calls
+        approved = connector.resume(stage_call, wait.resume, APPROVE, session)  # approving still works
+        assert isinstance(approved, Done) and approved.answer.output["action"] == "ok"
+
+
+def test_dify_failing_the_submission_is_retryable_and_changes_nothing(dify, session):
+    connector, stage_call, wait = dify_wait(dify, session)
+    dify.submit_fail = 1
+    with pytest.raises(PlatformError) as info:
+        connector.resume(stage_call, wait.resume, APPROVE, session)
+    assert info.value.retry is Retry.RETRYABLE and "still paused" in info.value.message
+    assert not dify.submitted
+    assert isinstance(connector.resume(stage_call, wait.resume, APPROVE, session), Done)
+
+
+def test_a_dify_submission_whose_answer_hangs_is_known_from_the_run(dify, session):
+    connector, stage_call, wait = dify_wait(dify, session, timeout_s=0.5)
+    dify.submit_hang_s = 1.0
+    outcome = connector.resume(stage_call, wait.resume, APPROVE, session)
+    assert isinstance(outcome, (Running, Done))
+    done = follow(connector, stage_call, outcome, session, timeout_s=5, interval_s=0.05)
+    assert isinstance(done, Done) and done.answer.output["action"] == "approve"
+    assert dify.submitted[wait.platform_ids["workflow_run_id"]] == 1
+
+
+def test_a_dify_run_seen_paused_only_by_its_status_says_how_to_answer_it(dify, session):
+    connector, stage_call, wait = dify_wait(dify, session)
+    with pytest.raises(WaitingHuman) as info:
+        connector.poll(stage_call, {"run_id": wait.platform_ids["workflow_run_id"]}, session)
+    assert info.value.resume is None and "mode streaming" in info.value.how
