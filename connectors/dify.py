@@ -49,6 +49,7 @@ from connectors.base import (
     WaitingHuman,
     map_fields,
 )
+from connectors.sse import lines as _lines
 from connectors.targets import TargetChecker, checked
 from connectors.transport import (
     Progress,
@@ -86,7 +87,6 @@ CODE_HINTS = {
 }
 WAITING_HINT = (": the run stays paused in Dify until a person answers it there (that answer does not reach "
                 "batchgate); remove the human-input node from the app to run it through batchgate")
-READ_SIZE = 8192
 
 
 @dataclass(frozen=True)
@@ -401,31 +401,6 @@ def _sse_events(resp: requests.Response) -> Iterator[dict[str, Any] | None]:
             data.append(line[5:].removeprefix(b" "))
     if fields:
         yield _json_object(b"\n".join(data)) if data else None
-
-
-def _lines(resp: requests.Response) -> Iterator[bytes]:
-    """Body lines without their line ends, each as soon as it is complete."""
-    buffer = bytearray()
-    for chunk in _chunks(resp):
-        scan_from = len(buffer)
-        buffer += chunk
-        while (end := buffer.find(b"\n", scan_from)) >= 0:
-            line = bytes(buffer[:end]).rstrip(b"\r")
-            del buffer[:end + 1]
-            scan_from = 0
-            yield line
-    if buffer:
-        yield bytes(buffer).rstrip(b"\r")
-
-
-def _chunks(resp: requests.Response) -> Iterator[bytes]:
-    """Body bytes as soon as they arrive, whatever the framing (chunked or not)."""
-    read1 = getattr(resp.raw, "read1", None)
-    if read1 is None:  # urllib3 < 2: one byte at a time is slow but never waits for a full buffer
-        yield from resp.iter_content(chunk_size=1)
-        return
-    while chunk := read1(READ_SIZE):
-        yield chunk
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:

@@ -21,6 +21,16 @@ expired", an unknown token 404. ``GET /v1/workflow/<run_id>/events?user=`` strea
 to ``workflow_finished``, or answers that one frame when it already ended. ``submitted`` counts accepted
 submissions per run. Faults: ``submit_fail`` (next N submissions answer 503 and change nothing),
 ``submit_hang_s`` (the submission takes, its answer comes that much later).
+
+WaitingCoze (coze-dev/coze-studio OpenAPI ``stream_run`` / ``stream_resume``, events as
+``convertStreamRunEvent`` writes them): ``plan("question")`` makes a streaming run stop at a question
+node: a ``Message`` with the question, then ``Interrupt`` (``event_id`` ``<execute_id>/1``, type 2, ``data``
+``{"question"}``); its history says ``<UNSET>``. ``stream_resume`` with that event resumes it: after
+``run_s`` the End node's ``Message`` (``{"count", "answer"}``, the answer being ``resume_data``) and ``Done``;
+the history then says ``Success``. Resuming a run that is not interrupted answers Studio's 720701013 "is not
+interrupted ... cannot resume" (HTTP 200). Other runs stream their End node's output and ``Done``.
+``resumed`` counts resumes that took. Faults: ``resume_fail`` (next N resumes answer 502, nothing resumed),
+``resume_hang_s`` (the resume takes; its stream starts that much later).
 """
 
 from __future__ import annotations
@@ -31,8 +41,8 @@ import time
 from collections import Counter
 from typing import Any
 
-from tests.platforms import Recorded, Reply, bearer
-from tests.standins import WAIT_INDEFINITELY, StandinDify, StandinN8n
+from tests.platforms import Recorded, Reply, bearer, envelope_items
+from tests.standins import WAIT_INDEFINITELY, StandinCozeStudio, StandinDify, StandinN8n
 
 REVIEW_NOTE = "Check the shortlist before the e-mails go out"
 
@@ -224,3 +234,82 @@ class WaitingDify(StandinDify):
         reply.sse("data: " + json.dumps({"event": "workflow_finished", "task_id": f"task-{run_id}",
                                           "workflow_run_id": run_id, "data": record}))
         reply.sse_close()
+
+
+class WaitingCoze(StandinCozeStudio):
+    """Coze Studio's streaming runs, interrupted at a question node and resumed (module docstring)."""
+
+    PROMPT = "Which region should the report cover?"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.resumed: Counter[str] = Counter()
+        self.resume_calls: list[Recorded] = []
+        self.resume_fail = 0
+        self.resume_hang_s = 0.0
+
+    def route(self, req: Recorded, reply: Reply) -> None:
+        if bearer(req) == self.token and req.method == "POST" and req.path == "/v1/workflow/stream_run":
+            return self._stream_run(req, reply)
+        if bearer(req) == self.token and req.method == "POST" and req.path == "/v1/workflow/stream_resume":
+            return self._stream_resume(req, reply)
+        return super().route(req, reply)
+
+    def _frame(self, reply: Reply, seq: int, event: str, data: dict[str, Any]) -> None:
+        reply.sse(f"id: {seq}\nevent: {event}\ndata: {json.dumps(data)}")
+
+    def _stream_run(self, req: Recorded, reply: Reply) -> None:
+        body = req.json or {}
+        params = body.get("parameters")
+        items = json.loads(params) if isinstance(params, str) else params
+        execute_id, behaviour = str(next(self._seq)), self.next_behaviour()
+        with self._lock:
+            self.runs[execute_id] = {"status": "Running", "items": envelope_items(items),
+                                     "workflow_id": body.get("workflow_id"), "behaviour": behaviour}
+        self.work(0, req.headers.get("Idempotency-Key") or "?")
+        reply.sse_open()
+        if behaviour == "question":
+            self._frame(reply, 0, "Message", {"content": self.PROMPT, "node_title": "Question",
+                                              "node_seq_id": "0", "node_is_finish": True,
+                                              "node_type": "Question"})
+            with self._lock:
+                self.runs[execute_id]["status"] = "<UNSET>"
+            self._frame(reply, 1, "Interrupt", {
+                "interrupt_data": {"event_id": f"{execute_id}/1", "type": 2,
+                                   "data": json.dumps({"question": self.PROMPT})},
+                "node_title": "Question", "debug_url": self.debug_url(execute_id, 1, body.get("workflow_id"))})
+            return reply.sse_close()
+        self._finish(execute_id, None, reply)
+
+    def _finish(self, execute_id: str, answer: str | None, reply: Reply) -> None:
+        time.sleep(self.run_s)
+        with self._lock:
+            run = self.runs[execute_id]
+            output = {"count": len(run["items"])} | ({"answer": answer} if answer is not None else {})
+            run.update(status="Success", output=json.dumps(output), error_code="0", error_msg="")
+        self._frame(reply, 2, "Message", {"content": json.dumps(output), "node_title": "End",
+                                          "node_seq_id": "0", "node_is_finish": True, "node_type": "End"})
+        self._frame(reply, 3, "Done", {"debug_url": self.debug_url(execute_id, 1, run["workflow_id"])})
+        reply.sse_close()
+
+    def _stream_resume(self, req: Recorded, reply: Reply) -> None:
+        body = req.json or {}
+        execute_id = str(body.get("event_id") or "").split("/")[0]
+        with self._lock:
+            self.resume_calls.append(req)
+            fail = self.resume_fail > 0
+            self.resume_fail -= 1 if fail else 0
+            run = self.runs.get(execute_id)
+        if fail:
+            return reply.text(502, "Bad Gateway")
+        if run is None or run["status"] != "<UNSET>":
+            status = run["status"] if run else "missing"
+            return reply.json(200, {"code": 720701013, "msg": f"workflow execution {execute_id} is not "
+                                                              f"interrupted, status is {status}, cannot resume"})
+        with self._lock:
+            run["status"] = "Running"
+            self.resumed[execute_id] += 1
+        if self.resume_hang_s:
+            time.sleep(self.resume_hang_s)
+        reply.sse_open()
+        self._finish(execute_id, str(body.get("resume_data")), reply)

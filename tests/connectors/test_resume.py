@@ -15,9 +15,9 @@ import pytest
 from connectors import get_connector
 from connectors.base import Decision, Done, PlatformError, Retry, Running, WaitingHuman
 from connectors.resume import follow
-from tests.connectors.helpers import DIFY_KEY, N8N_API_KEY, call
+from tests.connectors.helpers import COZE_TOKEN, DIFY_KEY, N8N_API_KEY, call
 from tests.standins import StandinN8n
-from tests.standins_waiting import REVIEW_NOTE, WaitingDify, WaitingN8n
+from tests.standins_waiting import REVIEW_NOTE, WaitingCoze, WaitingDify, WaitingN8n
 
 APPROVE = Decision(True, comment="looks right", actor="ana")
 REJECT = Decision(False, comment="wrong total", actor="ana")
@@ -249,3 +249,84 @@ def test_a_dify_run_seen_paused_only_by_its_status_says_how_to_answer_it(dify, s
     with pytest.raises(WaitingHuman) as info:
         connector.poll(stage_call, {"run_id": wait.platform_ids["workflow_run_id"]}, session)
     assert info.value.resume is None and "mode streaming" in info.value.how
+
+
+# -- Coze -----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def coze():
+    with WaitingCoze(token=COZE_TOKEN, run_s=0.1) as server:
+        yield server
+
+
+def coze_call(server, timeout_s=5.0):
+    return call({"type": "coze", "base_url": server.base_url, "token_secret": "TOKEN", "workflow_id": "7391",
+                 "mode": "stream", "studio": True}, {"token_secret": COZE_TOKEN}, timeout_s=timeout_s)
+
+
+def coze_wait(server, session, timeout_s=5.0):
+    server.plan("question")
+    connector, stage_call = get_connector("coze"), coze_call(server, timeout_s)
+    with pytest.raises(WaitingHuman) as info:
+        connector.trigger(stage_call, session)
+    return connector, stage_call, info.value
+
+
+def test_a_coze_stream_runs_to_its_end_nodes_answer(coze, session):
+    done = get_connector("coze").trigger(coze_call(coze), session)
+    assert isinstance(done, Done) and done.answer.output == {"count": 3} and done.platform_ids["execute_id"]
+
+
+def test_a_coze_question_reports_its_prompt_and_the_interrupt_to_resume(coze, session):
+    _, _, wait = coze_wait(coze, session)
+    execute_id = wait.platform_ids["execute_id"]
+    assert wait.prompt == WaitingCoze.PROMPT and wait.code == "waiting_human"
+    assert wait.resume == {"platform": "coze", "workflow_id": "7391", "event_id": f"{execute_id}/1",
+                           "interrupt_type": 2, "node_title": "Question", "execute_id": execute_id}
+
+
+def test_answering_the_coze_question_resumes_the_run_once_and_reads_its_answer(coze, session):
+    connector, stage_call, wait = coze_wait(coze, session)
+    done = connector.resume(stage_call, roundtrip(wait.resume), Decision(True, output="EMEA"), session)
+    assert isinstance(done, Done) and done.answer.output == {"count": 3, "answer": "EMEA"}
+    sent = coze.resume_calls[0].json
+    assert sent == {"workflow_id": "7391", "event_id": wait.resume["event_id"], "resume_data": "EMEA",
+                    "interrupt_type": 2}
+    again = connector.resume(stage_call, wait.resume, Decision(True, output="EMEA"), session)
+    assert isinstance(again, Done) and again.answer == done.answer  # "not interrupted": the history answers
+    assert coze.resumed[wait.platform_ids["execute_id"]] == 1
+
+
+def test_a_coze_rejection_is_not_resumed(coze, session):
+    connector, stage_call, wait = coze_wait(coze, session)
+    with pytest.raises(PlatformError) as info:
+        connector.resume(stage_call, wait.resume, REJECT, session)
+    assert info.value.code == "rejected" and not coze.resume_calls
+
+
+def test_coze_failing_the_resume_is_retryable_and_resumes_nothing(coze, session):
+    connector, stage_call, wait = coze_wait(coze, session)
+    coze.resume_fail = 1
+    with pytest.raises(PlatformError) as info:
+        connector.resume(stage_call, wait.resume, APPROVE, session)
+    assert info.value.retry is Retry.RETRYABLE and "still interrupted" in info.value.message
+    assert not coze.resumed
+    assert isinstance(connector.resume(stage_call, wait.resume, APPROVE, session), Done)
+
+
+def test_a_coze_resume_whose_stream_hangs_is_known_from_the_history(coze, session):
+    connector, stage_call, wait = coze_wait(coze, session, timeout_s=0.5)
+    coze.resume_hang_s = 1.0
+    outcome = connector.resume(stage_call, wait.resume, APPROVE, session)
+    done = follow(connector, stage_call, outcome, session, timeout_s=5, interval_s=0.05)
+    assert isinstance(done, Done) and done.answer.output["answer"] == "looks right"
+    assert coze.resumed[wait.platform_ids["execute_id"]] == 1
+
+
+def test_a_sync_coze_question_says_how_to_answer_it(coze, session):
+    coze.plan("question")
+    stage_call = call({"type": "coze", "base_url": coze.base_url, "token_secret": "TOKEN", "workflow_id": "7391",
+                       "studio": True}, {"token_secret": COZE_TOKEN})
+    with pytest.raises(PlatformError) as info:
+        get_connector("coze").trigger(stage_call, session)
+    assert info.value.code == "waiting_human" and getattr(info.value, "resume", None) is None
