@@ -107,10 +107,13 @@ class WaitingHuman(PlatformError):
     """
 
     def __init__(self, message: str, *, prompt: str | None, resume: dict[str, Any] | None, how: str,
-                 platform_ids: dict[str, str] | None = None) -> None:
+                 platform_ids: dict[str, str] | None = None, watch: dict[str, Any] | None = None) -> None:
         super().__init__(message, Retry.FATAL, code=WAITING_HUMAN, platform_ids=platform_ids, prompt=prompt)
         self.resume = resume
         self.how = how
+        #: the handle ``poll`` takes to watch this run (the gateway keeps it, so the batch's next attempt
+        #: asks the run for its outcome instead of starting the flow again); None when the run has no id
+        self.watch = watch
 
 
 @dataclass(frozen=True)

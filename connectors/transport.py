@@ -273,7 +273,16 @@ def waiting_for_person(what: str, call: StageCall, prompt: Any = None,
     text += ("; the platform's API can resume it with a decision" if resume is not None
              else f"; batchgate cannot answer it{hint}")
     return WaitingHuman(text, prompt=shown, resume=resume, how=how or hint.lstrip(": "),
-                        platform_ids=platform_ids)
+                        platform_ids=platform_ids, watch=watch_handle(platform_ids or {}))
+
+
+WATCH_KEYS = (("execution_id", "execution_id"), ("workflow_run_id", "run_id"), ("execute_id", "execute_id"))
+"""Platform id -> the ``poll`` handle key that watches the run (n8n, Dify, Coze)."""
+
+
+def watch_handle(platform_ids: dict[str, str]) -> dict[str, str] | None:
+    """The ``poll`` handle of a run from its platform ids, or None when they name no run."""
+    return next(({key: platform_ids[pid]} for pid, key in WATCH_KEYS if platform_ids.get(pid)), None)
 
 
 def not_resumed(handle: dict[str, Any], why: str, pids: dict[str, str] | None = None) -> PlatformError:

@@ -330,3 +330,12 @@ def test_a_sync_coze_question_says_how_to_answer_it(coze, session):
     with pytest.raises(PlatformError) as info:
         get_connector("coze").trigger(stage_call, session)
     assert info.value.code == "waiting_human" and getattr(info.value, "resume", None) is None
+
+
+def test_every_wait_names_the_poll_handle_that_watches_its_run(n8n, dify, coze, session):
+    _, _, n8n_waiting = n8n_wait(n8n, session)
+    _, _, dify_waiting = dify_wait(dify, session)
+    _, _, coze_waiting = coze_wait(coze, session)
+    assert n8n_waiting.watch == {"execution_id": n8n_waiting.resume["execution_id"]}
+    assert dify_waiting.watch == {"run_id": dify_waiting.resume["workflow_run_id"]}
+    assert coze_waiting.watch == {"execute_id": coze_waiting.resume["execute_id"]}
