@@ -142,18 +142,25 @@ class Answer:
     has_next_cursor: bool = False
     error_message: str | None = None
     error_retryable: bool = True
+    #: the platform waits for a person (``{"status": "waiting_human", "prompt": ...}``): the gateway
+    #: opens an approval showing ``prompt`` instead of committing or failing
+    waiting: bool = False
+    prompt: Any = None
 
     @classmethod
     def parse(cls, body: Any) -> Answer:
-        """Read ``{"status", "output", "next_cursor"?, "error": {"message", "retryable"}}``.
+        """Read ``{"status", "output", "next_cursor"?, "error": {"message", "retryable"}}``, or
+        ``{"status": "waiting_human", "prompt"}``.
 
         Raises ValueError with a precise message when the body does not follow the contract.
         """
         if not isinstance(body, dict):
             raise ValueError("answer must be a JSON object")
         status = body.get("status")
+        if status == "waiting_human":
+            return cls(False, waiting=True, prompt=body.get("prompt"))
         if status not in ("succeeded", "failed"):
-            raise ValueError('answer.status must be "succeeded" or "failed"')
+            raise ValueError('answer.status must be "succeeded", "failed" or "waiting_human"')
         if status == "failed":
             error = body.get("error") or {}
             if not isinstance(error, dict):

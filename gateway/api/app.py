@@ -32,14 +32,14 @@ from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
 PROBLEM = "application/problem+json"
-SIGNED_URL_PATHS = ("/v1/callbacks/", "/v1/blobs/")  # authenticated by their signed token
+SIGNED_URL_PATHS = ("/v1/callbacks/", "/v1/blobs/", "/decide/")  # authenticated by their signed token
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 LEDGER_RETRY_AFTER = timedelta(seconds=2)  # a Redis restart from its AOF takes about that
 
 
 def create_app(settings: Settings | None = None, client: redis.Redis | None = None) -> Flask:
     """Build the WSGI app; with no client, connect as settings say (no URL: join a running `up`)."""
-    from gateway.api import callbacks, flows, health, jobs, pull, subscriptions
+    from gateway.api import approvals, callbacks, decide, flows, health, jobs, pull, subscriptions
     from gateway.ledger.embedded import connect
     from gateway.push.dispatch import Dispatcher
     from gateway.push.supervisor import recovery_gate
@@ -70,7 +70,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     services.spool = CallbackSpool(settings.data_dir / "callback-spool",
                                    lambda token, body: callbacks.commit_callback(services, token, body))
     services.spool.start()  # what an earlier process spooled is committed once Redis answers
-    for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp, subscriptions.bp):
+    for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp, subscriptions.bp, approvals.bp, decide.bp):
         app.register_blueprint(bp)
     if deferred_check:
         app.before_request(ledger.check_digest_agreement)  # a no-op once it has passed
@@ -109,6 +109,8 @@ def _json_bodies_only() -> None:
     """415 for any body that is not JSON, on every route (json_body checks again where it reads); 413
     for a chunked body over the limit."""
     if request.method not in BODY_METHODS or request.routing_exception is not None:
+        return
+    if request.path.startswith("/decide/"):  # an HTML form post (decide.py), not the JSON API
         return
     chunked = "chunked" in request.headers.get("Transfer-Encoding", "").lower()
     if request.content_length or chunked:

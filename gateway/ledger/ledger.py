@@ -26,6 +26,7 @@ from gateway.errors import (
     SourceUnavailable,
     StaleLease,
 )
+from gateway.ledger.approvals import Approvals, Resumer, gate_keys, gates_arg
 from gateway.ledger.control import ControlOps
 from gateway.ledger.jobindex import Filed, JobIndex
 from gateway.ledger.jobspec import JobSpec, RedisListView
@@ -100,6 +101,7 @@ class Ledger(ControlOps):
         self._specs_lock = threading.Lock()  # gunicorn threads share the cache
         # lease.lua's KEYS and fixed ARGV per (job, stages, lease_ms), built from the cached spec
         self._lease_calls: OrderedDict[tuple, tuple[JobSpec, list[str], list[Any], list[Any]]] = OrderedDict()
+        self.approvals = Approvals(self)  # approval records, decisions, the tenant's listing
         self.plan_ahead = PLAN_AHEAD
         self.spec_cache = settings.spec_cache  # specs (and lease calls) kept, least recently used dropped
         self._checked = False
@@ -311,12 +313,14 @@ class Ledger(ControlOps):
         return cached[1], cached[2], cached[3]
 
     def _stage_filter(self, spec: JobSpec, stage: str | None) -> list[int]:
-        pull = [i for i, s in enumerate(spec.flow.stages) if s.target is None]
+        pull = [i for i, s in enumerate(spec.flow.stages) if s.target is None and s.approval is None]
         if stage is None:
             return pull
         idx = spec.stage_index(stage)
         if idx is None:
             raise NotFound(f"job {spec.job_id} has no stage {stage!r}")
+        if idx not in pull and spec.flow.stages[idx].approval is not None:
+            raise Conflict(f"stage {stage!r} is an approval stage (a person decides); it cannot be leased")
         if idx not in pull:
             raise Conflict(f"stage {stage!r} is run by batchgate (push mode); it cannot be leased")
         return [idx]
@@ -454,13 +458,14 @@ class Ledger(ControlOps):
         if from_output:
             items = output["items"]
         k = self.keys.job(job_id)
+        ready = self._ready_keys(spec)
         res = self.scripts.complete(
-            keys=[k.job, k.batch(seq), k.items(seq), k.leases, k.done, k.log, *self._ready_keys(spec),
-                  k.events],
+            keys=[k.job, k.batch(seq), k.items(seq), k.leases, k.done, k.log, *ready,
+                  k.approvals, k.approvals_due, *gate_keys(self, spec, seq), k.events],
             args=[token, dumps(output), "" if next_cursor is ABSENT else dumps(next_cursor),
                   "" if items is None else dumps(items), len(items or ()), spec.stage_count,
                   self.settings.log_maxlen, spec.budget_total, spec.flow.tolerated_failure_percentage,
-                  "1" if from_output else "0", actor])
+                  "1" if from_output else "0", actor, gates_arg(spec, 9 + len(ready)), job_id, spec.tenant])
         if res[0] == "duplicate":
             stage, attempt = int(res[1]), int(res[2])
         else:
@@ -468,6 +473,8 @@ class Ledger(ControlOps):
             stage, attempt = int(res[4]), int(res[3])
             log.info("stage committed job_id=%s seq=%s stage=%s attempt=%s job_status=%s",
                      job_id, seq, stage, attempt, res[2])
+            if len(res) > 5 and res[5]:
+                self.approvals._file_opened(spec.tenant, job_id, res[5])
         return {"job_id": job_id, "seq": seq, "stage": spec.flow.stages[stage].name,
                 "attempt": attempt, "status": "committed", "duplicate": res[0] == "duplicate"}
 
@@ -491,6 +498,23 @@ class Ledger(ControlOps):
         self._raise_for(res, job_id, seq)
         log.info("stage failed job_id=%s seq=%s attempt=%s outcome=%s", job_id, seq, res[1], res[0])
         return {"job_id": job_id, "seq": seq, "attempt": int(res[1]), "outcome": res[0]}
+
+    def open_platform_approval(self, job_id: str, seq: int, lease_token: str, prompt: Any,
+                               platform: dict[str, Any] | None = None,
+                               timeout: timedelta | None = None) -> dict[str, Any]:
+        """The leased batch's platform waits for a person: the batch becomes waiting_human with an
+        approval showing ``prompt``, and its lease is released (open_approval.lua). ``platform``
+        describes the run to resume once decided (a resumer's business; None = nothing to resume:
+        approving commits the stage with the decision's output, else the prompt). ``timeout`` defaults
+        to the stage's max_run; at the deadline the approval is rejected. A retry by the same lease
+        answers the first approval (``duplicate``). StaleLease (409) if the token is not current."""
+        return self.approvals.open_platform(job_id, seq, lease_token, prompt, platform,
+                                            timeout.total_seconds() if timeout else None)
+
+    def register_resumer(self, fn: Resumer) -> None:
+        """Call ``fn(approval, decision)`` after every decision on a platform approval (both views as
+        the API shows them), to continue the platform's run; see approvals.Resumer."""
+        self.approvals.resumers.append(fn)
 
     def _ready_keys(self, spec: JobSpec) -> tuple[str, ...]:
         return _ready_keys(self.keys.prefix, spec.job_id, spec.stage_count)
@@ -579,7 +603,10 @@ class Ledger(ControlOps):
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
         planned = int(self.job_fields(job_id)["next_seq"])
+        approvals = self.r.zrange(k.approvals, 0, -1)
         return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.audit, k.events,
+                k.approvals, k.approvals_due,
+                *[k.approval(*(int(x) for x in a.split(".")[-3:])) for a in approvals],
                 *self._ready_keys(spec),
                 *[key for s in range(planned) for key in (k.batch(s), k.items(s))]]
 

@@ -568,7 +568,10 @@ class Dispatcher:
 
 def commit_answer(ledger: Ledger, spec: JobSpec, stage: Stage, seq: int, token: str,
                   answer: Answer) -> dict[str, Any]:
-    """Commit a platform's answer (sync, polled or callback) through the ledger's one commit path."""
+    """Commit a platform's answer (sync, polled or callback) through the ledger's one commit path; an
+    answer that waits for a person opens an approval for the batch instead (its lease is released)."""
+    if answer.waiting:
+        return ledger.open_platform_approval(spec.job_id, seq, token, answer.prompt)
     if not answer.succeeded:
         return ledger.fail(spec.job_id, seq, token, answer.error_message or "platform reported failure",
                            retryable=answer.error_retryable, actor="platform")
