@@ -392,7 +392,8 @@ def _raise_if_waiting_for_person(body: dict[str, Any], call: StageCall, name: st
         until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wait_till))
         what = (f"{name} is waiting{where} until {until}, after the stage's max_run ends "
                 f"({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(deadline))})")
-    handle, how = n8n_waits.resume_handle(body, call.target, pids["execution_id"], node)
+    handle, how = n8n_waits.resume_handle(body, call.target, pids["execution_id"], node,
+                                          indefinite=wait_till >= WAIT_INDEFINITELY)
     raise waiting_for_person(what, call, _prompt(body, node), pids, hint=WAITING_HINT, resume=handle, how=how)
 
 

@@ -75,11 +75,13 @@ def base_url(target: dict[str, Any]) -> str:
 
 
 def resume_handle(body: dict[str, Any], target: dict[str, Any], execution_id: str,
-                  node_name: Any) -> tuple[dict[str, Any] | None, str]:
+                  node_name: Any, indefinite: bool = True) -> tuple[dict[str, Any] | None, str]:
     """The resume handle of a waiting execution and how a person answers it (module docstring).
 
     ``body`` is the execution as the public API returns it (``includeData=true``); the waiting node is
-    read from its ``workflowData``. The handle is None where n8n's API cannot resume the wait.
+    read from its ``workflowData``; without it, a wait with no time limit (``indefinite``) is taken for a
+    Wait node "On Webhook Call" (POST), a timed one for a wait that ends by itself. The handle is None
+    where n8n's API cannot resume the wait.
     """
     base = base_url(target)
     waiting_url = f"{base}/{WAITING_PATH}/{quote(execution_id, safe='')}"
@@ -87,6 +89,8 @@ def resume_handle(body: dict[str, Any], target: dict[str, Any], execution_id: st
     handle: dict[str, Any] = {"platform": PLATFORM, "execution_id": execution_id, "node": node_name,
                               "node_runs": len(runs) if isinstance(runs, list) else 0}
     node = _node(body, node_name)
+    if node is None and not indefinite:
+        return None, f"it resumes by itself at {body.get('waitTill')} (or answer it in n8n)"
     if node is None:
         return {**handle, "kind": "webhook", "resume_url": waiting_url, "method": "POST",
                 "can_reject": True}, UNKNOWN_NODE_HOW

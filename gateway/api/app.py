@@ -41,6 +41,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     """Build the WSGI app; with no client, connect as settings say (no URL: join a running `up`)."""
     from gateway.api import approvals, callbacks, decide, flows, health, jobs, pull, subscriptions
     from gateway.ledger.embedded import connect
+    from gateway.push import resumer
     from gateway.push.dispatch import Dispatcher
     from gateway.push.supervisor import recovery_gate
 
@@ -67,6 +68,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         idempotency=IdempotencyStore(client, ledger.keys, settings.idempotency_ttl),
         dispatcher=Dispatcher.build(settings, ledger) if settings.redis_url else None)
     services: Services = app.extensions["batchgate"]
+    resumer.install(services.dispatcher)  # a decided platform approval resumes its run (issue 16)
     services.spool = CallbackSpool(settings.data_dir / "callback-spool",
                                    lambda token, body: callbacks.commit_callback(services, token, body))
     services.spool.start()  # what an earlier process spooled is committed once Redis answers

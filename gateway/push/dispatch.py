@@ -49,6 +49,7 @@ from connectors.base import (
     Retry,
     Running,
     StageCall,
+    WaitingHuman,
 )
 from gateway.errors import BatchgateError, JobCancelled, NotFound, RunTooLong, StaleLease
 from gateway.ledger.embedded import client_for
@@ -59,6 +60,7 @@ from gateway.ledger.records import dumps, loads_or_none
 from gateway.net.keepalive import idle_limit
 from gateway.net.outbound import session_for
 from gateway.net.urlguard import Allowlist, UnsafeURL, check_url
+from gateway.push.resumer import decided_for, resume_run
 from gateway.security import sign
 from gateway.settings import Settings
 
@@ -473,7 +475,7 @@ class Dispatcher:
 
     def _act(self, spec: JobSpec, stage: Stage, call: StageCall, seq: int, stage_idx: int, token: str,
              outcome: Outcome | PlatformError, probe: bool = False, remember: bool = True,
-             polled: PollState | None = None) -> None:
+             polled: PollState | None = None, resumed: bool = False) -> None:
         job_id, attempt = spec.job_id, call.envelope["attempt"]
         where = {"seq": seq, "stage": stage.name, "attempt": attempt}
         tid = target_id(stage.target)
@@ -492,6 +494,17 @@ class Dispatcher:
                                  **outcome.platform_ids)
                 self._remember_run(spec, seq, token, outcome.handle)
                 self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, outcome.handle)
+                return
+            if isinstance(outcome, WaitingHuman) and outcome.resume is not None and outcome.watch:
+                decided = None if resumed else decided_for(self, job_id, seq, stage_idx, outcome)
+                if decided is None:  # a new wait: a person decides it (resumer.py)
+                    self._open_wait(spec, seq, token, outcome, where)
+                    return
+                # approved already, and the run still waits there: the decision's resume never reached it
+                self.ledger.note(job_id, "resuming_decided_wait", **where, **outcome.platform_ids)
+                outcome = resume_run(self, spec, seq, stage_idx, *decided)
+                self._act(spec, stage, call, seq, stage_idx, token, outcome, remember=remember, polled=polled,
+                          resumed=True)
                 return
             if isinstance(outcome, PlatformError) and outcome.code == WAITING_HUMAN:
                 # shown as waiting on a person, with the platform's prompt; the batch fails with the type
@@ -528,6 +541,18 @@ class Dispatcher:
         except (StaleLease, NotFound, JobCancelled):
             log.info("answer dropped: lease no longer current job_id=%s seq=%s attempt=%s",
                      job_id, seq, attempt)
+
+    def _open_wait(self, spec: JobSpec, seq: int, token: str, err: WaitingHuman, where: dict[str, Any]) -> None:
+        """The run waits for a person and its platform can resume it: keep the run's poll handle (the
+        batch's next attempt asks the run) and open a platform approval showing the platform's prompt;
+        the lease is released until someone decides (resumer.py)."""
+        self._remember_run(spec, seq, token, err.watch or {})
+        self.ledger.note(spec.job_id, "waiting_on_person", **where, prompt=err.prompt, error=err.message[:500],
+                         **err.platform_ids)
+        opened = self.ledger.open_platform_approval(spec.job_id, seq, token, err.prompt or err.message[:500],
+                                                    platform=err.resume)
+        log.info("platform run waits for a person job_id=%s seq=%s approval=%s", spec.job_id, seq,
+                 opened.get("approval_id"))
 
     def _outage(self, spec: JobSpec, stage: Stage, seq: int, stage_idx: int, token: str,
                 err: PlatformError) -> None:

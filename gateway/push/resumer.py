@@ -1,0 +1,144 @@
+"""Resume a platform run once a person decided the approval it opened (issue 16).
+
+A platform run that waits for a person (``connectors.base.WaitingHuman`` with a resume handle) makes the
+dispatcher keep the run's poll handle on the batch (handle.lua) and open a platform approval showing the
+platform's prompt (``Ledger.open_platform_approval``), which releases the lease: no worker, slot or
+concurrency is held while the person decides. decide.lua then either approves (the batch is ready again
+at its stage without spending an attempt; the record keeps the decision and the person's ``output``) or
+rejects (the batch fails as ``rejected``). The run itself is told on two paths:
+
+- fast: the ledger calls :class:`PlatformResumer` (``Ledger.register_resumer``, installed by
+  :func:`install` in the API and the supervisor, which decides timeouts) right after the decision, and it
+  resumes the run through its connector (``connectors.resume``), rejection included where the platform
+  takes one.
+- durable: the batch's next attempt polls the kept handle (``Dispatcher._earlier_run``). A run that still
+  waits at the very wait that was approved (the fast path never ran: a crash between the decision and the
+  call, or the platform was down) is resumed there by the dispatcher with the recorded decision
+  (:func:`decided_for`).
+
+Neither path commits. The output comes from the batch's next attempt, which reads the run through the
+ordinary poll and commit path (commit.lua, once per batch and stage), so it is committed exactly once
+however often and by whom the run was resumed; a resume that meets a run that already resumed reads it
+(each connector settles a resume by the run's own state).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from connectors.base import Decision, Outcome, PlatformError, Retry, WaitingHuman
+from connectors.resume import resumer as connector_for
+from gateway.errors import BatchgateError
+from gateway.ledger.approvals import ApprovalRef
+from gateway.ledger.jobspec import JobSpec
+from gateway.ledger.records import loads_or_none
+from gateway.net.urlguard import UnsafeURL, check_url
+
+if TYPE_CHECKING:
+    from gateway.push.dispatch import Dispatcher
+
+log = logging.getLogger(__name__)
+
+SAME_WAIT_KEYS = ("node", "node_runs", "form_token", "event_id")
+"""Handle fields that tell one wait of a run from a later one (n8n node and its run count, Dify's form,
+Coze's interrupt event); compared where both handles have them."""
+WATCH_FIELDS = {"run_id": "workflow_run_id"}
+"""A poll handle's key -> the resume handle's field naming the same run (others share their names)."""
+
+
+def decision_of(rec: dict[str, str]) -> Decision:
+    """The connector's view of a decided approval record."""
+    return Decision(approved=rec.get("decision") == "approve", comment=rec.get("comment") or None,
+                    output=loads_or_none(rec.get("output") or ""), actor=rec.get("actor") or None)
+
+
+def platform_handle(rec: dict[str, str]) -> dict[str, Any] | None:
+    """The resume handle a platform approval record keeps, or None."""
+    handle = loads_or_none(rec.get("platform") or "")
+    return handle if isinstance(handle, dict) and handle.get("platform") else None
+
+
+def same_wait(stored: dict[str, Any], seen: WaitingHuman) -> bool:
+    """Whether ``seen`` (a fresh read of the run) waits where the approved handle ``stored`` did."""
+    fresh = seen.resume
+    if fresh is None:  # the read names no wait (a Dify run status, a Coze history): the same run is enough
+        return bool(seen.watch) and all(str(stored.get(WATCH_FIELDS.get(k, k))) == str(v)
+                                        for k, v in seen.watch.items())
+    if fresh.get("platform") != stored.get("platform"):
+        return False
+    return all(fresh.get(k) == stored.get(k) for k in SAME_WAIT_KEYS if k in fresh and k in stored)
+
+
+def decided_for(dispatcher: Dispatcher, job_id: str, seq: int, stage_idx: int,
+                seen: WaitingHuman) -> tuple[dict[str, Any], Decision] | None:
+    """The approved handle and decision of the batch's latest platform approval at ``stage_idx``, when
+    the run ``seen`` still waits at that very wait (the durable path), else None."""
+    ledger = dispatcher.ledger
+    rnd = ledger.r.hget(ledger.keys.job(job_id).batch(seq), f"ap_n:{stage_idx}")
+    if not rnd or not str(rnd).isdigit():
+        return None
+    try:
+        rec = ledger.approvals.record(ApprovalRef(job_id, seq, stage_idx, int(rnd)))
+    except BatchgateError:
+        return None
+    handle = platform_handle(rec)
+    if rec.get("kind") != "platform" or rec.get("status") != "approved" or handle is None:
+        return None
+    return (handle, decision_of(rec)) if same_wait(handle, seen) else None
+
+
+class PlatformResumer:
+    """Resumes the run of a decided platform approval (the fast path); ``Ledger.register_resumer`` hook."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    def __call__(self, approval: dict[str, Any], decision: dict[str, Any]) -> None:
+        ref = ApprovalRef(approval["job_id"], int(approval["seq"]), int(approval["stage_index"]),
+                          int(approval["round"]))
+        rec = self.dispatcher.ledger.approvals.record(ref)
+        handle = platform_handle(rec)
+        if handle is None or rec.get("status") not in ("approved", "rejected"):
+            return  # an answer-contract wait (nothing to resume) or not decided
+        spec = self.dispatcher.ledger.spec(ref.job_id)
+        outcome = resume_run(self.dispatcher, spec, ref.seq, ref.stage, handle, decision_of(rec))
+        what = type(outcome).__name__
+        log.info("platform run resumed approval=%s job_id=%s seq=%s decision=%s outcome=%s", ref.id,
+                 ref.job_id, ref.seq, rec.get("decision"), what)
+        fields = {"seq": ref.seq, "stage": spec.flow.stages[ref.stage].name, "approval": ref.id}
+        if isinstance(outcome, PlatformError) and outcome.code != "rejected":
+            self.dispatcher.ledger.note(ref.job_id, "platform_resume_failed", **fields,
+                                        error=outcome.message[:500], retry=outcome.retry.value)
+        else:
+            self.dispatcher.ledger.note(ref.job_id, "platform_resumed", **fields, decision=rec.get("decision"),
+                                        error=outcome.message[:500] if isinstance(outcome, PlatformError)
+                                        else None)
+        self.dispatcher.kick(ref.job_id)  # the batch's next attempt collects the run's answer
+
+
+def resume_run(dispatcher: Dispatcher, spec: JobSpec, seq: int, stage_idx: int, handle: dict[str, Any],
+               decision: Decision) -> Outcome | PlatformError:
+    """Resume the run ``handle`` names through its connector, behind the outbound guard; failures come
+    back as values (as ``Dispatcher._guarded`` does for calls)."""
+    stage = spec.flow.stages[stage_idx]
+    try:
+        batch = dispatcher.ledger.batch_record(spec.job_id, seq)
+        call = dispatcher._stage_call(spec, stage, batch, seq, stage_idx, int(batch.get("attempt") or 1),
+                                      "", items=None, called_s=time.time())
+        connector = connector_for(handle.get("platform"))
+        for url in (handle.get("resume_url"),):
+            if isinstance(url, str):
+                check_url(url, dispatcher.allow)
+    except UnsafeURL as exc:
+        return PlatformError(exc.detail, Retry.FATAL)
+    except PlatformError as exc:
+        return exc
+    return dispatcher._guarded(call, stage, lambda: connector.resume(call, handle, decision, dispatcher.session))
+
+
+def install(dispatcher: Dispatcher | None) -> None:
+    """Register the fast path with the dispatcher's ledger (API, supervisor); no dispatcher, no push."""
+    if dispatcher is not None:
+        dispatcher.ledger.register_resumer(PlatformResumer(dispatcher))
