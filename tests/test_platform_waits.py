@@ -74,7 +74,7 @@ def committed(ledger, job_id: str) -> list[dict]:
 
 def test_approving_resumes_the_execution_once_and_commits_its_output_once(push, make_job, api, n8n):
     ledger, d = push
-    resumer.install(d)  # the fast path, as create_app installs it
+    resumer.install(d, background=False)  # the fast path, as create_app installs it (in this thread)
     job_id, approval = open_wait(ledger, d, make_job, n8n)
     assert approval["kind"] == "platform" and approval["prompt"] == REVIEW_NOTE
     assert not ledger.r.zcard(ledger.keys.job(job_id).leases)  # no lease while a person decides
@@ -94,7 +94,7 @@ def test_approving_resumes_the_execution_once_and_commits_its_output_once(push, 
 def test_a_decision_whose_resume_never_reached_n8n_is_carried_out_by_the_next_attempt(push, make_job, api,
                                                                                       n8n):
     ledger, d = push
-    resumer.install(d)
+    resumer.install(d, background=False)
     job_id, approval = open_wait(ledger, d, make_job, n8n)
     n8n.resume_fail = 1  # the fast path's resume gets a 503: nothing resumed
     ledger.approvals.decide("acme", approval["id"], "approve", "ana", comment="fine")
@@ -121,7 +121,7 @@ def test_without_a_resumer_the_next_attempt_resumes_with_the_recorded_decision(p
 
 def test_a_rejection_is_sent_to_n8n_and_fails_the_batch_as_rejected(push, make_job, api, n8n):
     ledger, d = push
-    resumer.install(d)
+    resumer.install(d, background=False)
     job_id, approval = open_wait(ledger, d, make_job, n8n)
     ledger.approvals.decide("acme", approval["id"], "reject", "ana", comment="wrong total")
     assert n8n.resume_calls[-1].json["decision"] == "reject"  # the flow hears it and can clean up

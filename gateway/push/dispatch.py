@@ -502,7 +502,7 @@ class Dispatcher:
                     return
                 # approved already, and the run still waits there: the decision's resume never reached it
                 self.ledger.note(job_id, "resuming_decided_wait", **where, **outcome.platform_ids)
-                outcome = resume_run(self, spec, seq, stage_idx, *decided)
+                outcome = resume_run(self, spec, seq, stage_idx, *decided, token=token)
                 self._act(spec, stage, call, seq, stage_idx, token, outcome, remember=remember, polled=polled,
                           resumed=True)
                 return

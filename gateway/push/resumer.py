@@ -25,6 +25,7 @@ however often and by whom the run was resumed; a resume that meets a run that al
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ from gateway.errors import BatchgateError
 from gateway.ledger.approvals import ApprovalRef
 from gateway.ledger.jobspec import JobSpec
 from gateway.ledger.records import loads_or_none
+from gateway.net.outbound import session_for
 from gateway.net.urlguard import UnsafeURL, check_url
 
 if TYPE_CHECKING:
@@ -90,12 +92,32 @@ def decided_for(dispatcher: Dispatcher, job_id: str, seq: int, stage_idx: int,
 
 
 class PlatformResumer:
-    """Resumes the run of a decided platform approval (the fast path); ``Ledger.register_resumer`` hook."""
+    """Resumes the run of a decided platform approval (the fast path); ``Ledger.register_resumer`` hook.
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    The resume runs in a thread of its own: it may follow the run for a while (a Dify or Coze stream reads
+    the rest of the run), and the person's request must not wait for it. A process that dies meanwhile
+    loses nothing: the durable path resumes the run at the batch's next attempt.
+    """
+
+    def __init__(self, dispatcher: Dispatcher, background: bool = True) -> None:
         self.dispatcher = dispatcher
+        self.background = background
 
     def __call__(self, approval: dict[str, Any], decision: dict[str, Any]) -> None:
+        if not self.background:
+            return self.resume(approval)
+        threading.Thread(target=self._logged, args=(approval,), name=f"resume-{approval.get('id')}",
+                         daemon=True).start()
+        return None
+
+    def _logged(self, approval: dict[str, Any]) -> None:
+        try:
+            self.resume(approval)
+        except Exception:  # noqa: BLE001 - the decision stands; the batch's next attempt resumes the run
+            log.exception("platform resume failed approval=%s", approval.get("id"))
+
+    def resume(self, approval: dict[str, Any]) -> None:
+        """Resume the run of a decided platform approval (its record names the run and the decision)."""
         ref = ApprovalRef(approval["job_id"], int(approval["seq"]), int(approval["stage_index"]),
                           int(approval["round"]))
         rec = self.dispatcher.ledger.approvals.record(ref)
@@ -103,7 +125,9 @@ class PlatformResumer:
         if handle is None or rec.get("status") not in ("approved", "rejected"):
             return  # an answer-contract wait (nothing to resume) or not decided
         spec = self.dispatcher.ledger.spec(ref.job_id)
-        outcome = resume_run(self.dispatcher, spec, ref.seq, ref.stage, handle, decision_of(rec))
+        with session_for(self.dispatcher.settings) as session:  # this thread's own, guarded like calls
+            outcome = resume_run(self.dispatcher, spec, ref.seq, ref.stage, handle, decision_of(rec),
+                                 session=session)
         what = type(outcome).__name__
         log.info("platform run resumed approval=%s job_id=%s seq=%s decision=%s outcome=%s", ref.id,
                  ref.job_id, ref.seq, rec.get("decision"), what)
@@ -119,14 +143,15 @@ class PlatformResumer:
 
 
 def resume_run(dispatcher: Dispatcher, spec: JobSpec, seq: int, stage_idx: int, handle: dict[str, Any],
-               decision: Decision) -> Outcome | PlatformError:
+               decision: Decision, token: str = "", session: Any = None) -> Outcome | PlatformError:
     """Resume the run ``handle`` names through its connector, behind the outbound guard; failures come
-    back as values (as ``Dispatcher._guarded`` does for calls)."""
+    back as values (as ``Dispatcher._guarded`` does for calls). ``token``: the lease the caller holds (the
+    durable path), heartbeated while the connector follows the run."""
     stage = spec.flow.stages[stage_idx]
     try:
         batch = dispatcher.ledger.batch_record(spec.job_id, seq)
         call = dispatcher._stage_call(spec, stage, batch, seq, stage_idx, int(batch.get("attempt") or 1),
-                                      "", items=None, called_s=time.time())
+                                      token, items=None, called_s=time.time())
         connector = connector_for(handle.get("platform"))
         for url in (handle.get("resume_url"),):
             if isinstance(url, str):
@@ -135,10 +160,11 @@ def resume_run(dispatcher: Dispatcher, spec: JobSpec, seq: int, stage_idx: int, 
         return PlatformError(exc.detail, Retry.FATAL)
     except PlatformError as exc:
         return exc
-    return dispatcher._guarded(call, stage, lambda: connector.resume(call, handle, decision, dispatcher.session))
+    session = session or dispatcher.session
+    return dispatcher._guarded(call, stage, lambda: connector.resume(call, handle, decision, session))
 
 
-def install(dispatcher: Dispatcher | None) -> None:
+def install(dispatcher: Dispatcher | None, background: bool = True) -> None:
     """Register the fast path with the dispatcher's ledger (API, supervisor); no dispatcher, no push."""
     if dispatcher is not None:
-        dispatcher.ledger.register_resumer(PlatformResumer(dispatcher))
+        dispatcher.ledger.register_resumer(PlatformResumer(dispatcher, background))
