@@ -60,7 +60,7 @@ from gateway.ledger.records import dumps, loads_or_none
 from gateway.net.keepalive import idle_limit
 from gateway.net.outbound import session_for
 from gateway.net.urlguard import Allowlist, UnsafeURL, check_url
-from gateway.push.resumer import decided_for, resume_run
+from gateway.push.resumer import settle_wait
 from gateway.security import sign
 from gateway.settings import Settings
 
@@ -496,15 +496,11 @@ class Dispatcher:
                 self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, outcome.handle)
                 return
             if isinstance(outcome, WaitingHuman) and outcome.resume is not None and outcome.watch:
-                decided = None if resumed else decided_for(self, job_id, seq, stage_idx, outcome)
-                if decided is None:  # a new wait: a person decides it (resumer.py)
-                    self._open_wait(spec, seq, token, outcome, where)
-                    return
-                # approved already, and the run still waits there: the decision's resume never reached it
-                self.ledger.note(job_id, "resuming_decided_wait", **where, **outcome.platform_ids)
-                outcome = resume_run(self, spec, seq, stage_idx, *decided, token=token)
-                self._act(spec, stage, call, seq, stage_idx, token, outcome, remember=remember, polled=polled,
-                          resumed=True)
+                # a person decides it (an approval), or decided it already and the run was never resumed
+                after = settle_wait(self, spec, seq, stage_idx, token, outcome, where, resumed)
+                if after is not None:
+                    self._act(spec, stage, call, seq, stage_idx, token, after, remember=remember,
+                              polled=polled, resumed=True)
                 return
             if isinstance(outcome, PlatformError) and outcome.code == WAITING_HUMAN:
                 # shown as waiting on a person, with the platform's prompt; the batch fails with the type
@@ -541,18 +537,6 @@ class Dispatcher:
         except (StaleLease, NotFound, JobCancelled):
             log.info("answer dropped: lease no longer current job_id=%s seq=%s attempt=%s",
                      job_id, seq, attempt)
-
-    def _open_wait(self, spec: JobSpec, seq: int, token: str, err: WaitingHuman, where: dict[str, Any]) -> None:
-        """The run waits for a person and its platform can resume it: keep the run's poll handle (the
-        batch's next attempt asks the run) and open a platform approval showing the platform's prompt;
-        the lease is released until someone decides (resumer.py)."""
-        self._remember_run(spec, seq, token, err.watch or {})
-        self.ledger.note(spec.job_id, "waiting_on_person", **where, prompt=err.prompt, error=err.message[:500],
-                         **err.platform_ids)
-        opened = self.ledger.open_platform_approval(spec.job_id, seq, token, err.prompt or err.message[:500],
-                                                    platform=err.resume)
-        log.info("platform run waits for a person job_id=%s seq=%s approval=%s", spec.job_id, seq,
-                 opened.get("approval_id"))
 
     def _outage(self, spec: JobSpec, stage: Stage, seq: int, stage_idx: int, token: str,
                 err: PlatformError) -> None:

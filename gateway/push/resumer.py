@@ -91,6 +91,29 @@ def decided_for(dispatcher: Dispatcher, job_id: str, seq: int, stage_idx: int,
     return (handle, decision_of(rec)) if same_wait(handle, seen) else None
 
 
+def settle_wait(dispatcher: Dispatcher, spec: JobSpec, seq: int, stage_idx: int, token: str,
+                seen: WaitingHuman, where: dict[str, Any], resumed: bool) -> Outcome | PlatformError | None:
+    """A leased attempt found its run waiting for a person at a wait the platform can resume.
+
+    Approved already (the durable path; not again right after resuming, ``resumed``): resume it with the
+    recorded decision and return what that gives, for the dispatcher to act on. Otherwise: keep the run's
+    poll handle on the batch (the next attempt asks the run, never starts the flow again), open a platform
+    approval showing the platform's prompt (the lease is released) and return None.
+    """
+    decided = None if resumed else decided_for(dispatcher, spec.job_id, seq, stage_idx, seen)
+    if decided is not None:
+        dispatcher.ledger.note(spec.job_id, "resuming_decided_wait", **where, **seen.platform_ids)
+        return resume_run(dispatcher, spec, seq, stage_idx, *decided, token=token)
+    dispatcher._remember_run(spec, seq, token, seen.watch or {})
+    dispatcher.ledger.note(spec.job_id, "waiting_on_person", **where, prompt=seen.prompt,
+                           error=seen.message[:500], **seen.platform_ids)
+    opened = dispatcher.ledger.open_platform_approval(spec.job_id, seq, token, seen.prompt or seen.message[:500],
+                                                      platform=seen.resume)
+    log.info("platform run waits for a person job_id=%s seq=%s approval=%s", spec.job_id, seq,
+             opened.get("approval_id"))
+    return None
+
+
 class PlatformResumer:
     """Resumes the run of a decided platform approval (the fast path); ``Ledger.register_resumer`` hook.
 
