@@ -58,9 +58,9 @@ from connectors.transport import (
     dig,
     ids,
     json_body,
+    output_trimmed,
     parse_json_text,
     require_secret,
-    output_trimmed,
     send,
     waiting_for_person,
 )

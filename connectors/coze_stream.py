@@ -119,7 +119,8 @@ def _prompt(data: Any, messages: list[str]) -> str | None:
                 return value[key]
         listed = value.get("messages")
         if isinstance(listed, list):
-            texts = [m.get("content") for m in listed if isinstance(m, dict) and isinstance(m.get("content"), str)]
+            texts = [m["content"] for m in listed
+                     if isinstance(m, dict) and isinstance(m.get("content"), str)]
             if texts:
                 return "\n".join(texts)
     if "".join(messages).strip():

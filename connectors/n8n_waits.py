@@ -193,7 +193,8 @@ def _after_resume(call: StageCall, handle: dict[str, Any], session: requests.Ses
             what = "no answer" if resp is None else f"HTTP {resp.status_code}"
             raise PlatformError(f"n8n did not confirm the resume of execution {handle['execution_id']} "
                                 f"({what}) and it still waits: resume it again", Retry.RETRYABLE,
-                                status=None if resp is None else resp.status_code, platform_ids=pids) from None
+                                status=None if resp is None else resp.status_code,
+                                platform_ids=pids) from None
         raise http_error(resp, call, PLATFORM, retry=Retry.FATAL, platform_ids=pids,
                          message=f"refused the resume: {clip(platform_message(resp, json_body(resp)), call)}",
                          hint=f" (execution {handle['execution_id']} still waits at {handle.get('node')!r})"

@@ -78,10 +78,12 @@ class WaitingN8n(StandinN8n):
         if fail:
             return reply.text(503, "Service Unavailable")
         if run is None:
-            return reply.json(404, {"code": 404, "message": f'The execution "{execution_id}" does not exist.'})
+            gone = f'The execution "{execution_id}" does not exist.'
+            return reply.json(404, {"code": 404, "message": gone})
         if run.get("resumed_at") is not None:
             done = time.monotonic() - run["resumed_at"] >= self.run_s
-            what = f'"{execution_id} has finished already.' if done else f'"{execution_id}" is running already.'
+            what = (f'"{execution_id} has finished already.' if done
+                    else f'"{execution_id}" is running already.')
             return reply.json(409, {"code": 409, "message": f"The execution {what}"})
         behaviour = run["behaviour"]
         if behaviour == "wait_send":
@@ -125,9 +127,8 @@ class WaitingN8n(StandinN8n):
             body.update(status="running", waitTill=None, data={"resultData": {"runData": {}}})
         else:
             decision = run["decision"]
-            answer = {"status": "succeeded", "output": {"count": len(run["items"]),
-                                                        "decision": decision.get("decision") or (
-                                                            "approve" if decision.get("approved") else "reject"),
+            word = decision.get("decision") or ("approve" if decision.get("approved") else "reject")
+            answer = {"status": "succeeded", "output": {"count": len(run["items"]), "decision": word,
                                                         "comment": decision.get("comment")}}
             run_data = {"Respond": [{"data": {"main": [[{"json": answer}]]}}]}
             body.update(status="success", finished=True,
@@ -165,10 +166,11 @@ class WaitingDify(StandinDify):
         self.submit_hang_s = 0.0
 
     def route(self, req: Recorded, reply: Reply) -> None:
-        if bearer(req) == self.api_key and req.method == "POST" and req.path.startswith("/v1/form/human_input/"):
+        mine = bearer(req) == self.api_key
+        if mine and req.method == "POST" and req.path.startswith("/v1/form/human_input/"):
             return self._submit(req.path.rsplit("/", 1)[1], req, reply)
-        if bearer(req) == self.api_key and req.method == "GET" and req.path.startswith("/v1/workflow/") \
-                and req.path.endswith("/events"):
+        events = req.path.startswith("/v1/workflow/") and req.path.endswith("/events")
+        if mine and req.method == "GET" and events:
             return self._events(req.path.split("/")[3], req, reply)
         return super().route(req, reply)
 
@@ -277,7 +279,8 @@ class WaitingCoze(StandinCozeStudio):
             self._frame(reply, 1, "Interrupt", {
                 "interrupt_data": {"event_id": f"{execute_id}/1", "type": 2,
                                    "data": json.dumps({"question": self.PROMPT})},
-                "node_title": "Question", "debug_url": self.debug_url(execute_id, 1, body.get("workflow_id"))})
+                "node_title": "Question",
+                "debug_url": self.debug_url(execute_id, 1, body.get("workflow_id"))})
             return reply.sse_close()
         self._finish(execute_id, None, reply)
 
@@ -304,8 +307,8 @@ class WaitingCoze(StandinCozeStudio):
             return reply.text(502, "Bad Gateway")
         if run is None or run["status"] != "<UNSET>":
             status = run["status"] if run else "missing"
-            return reply.json(200, {"code": 720701013, "msg": f"workflow execution {execute_id} is not "
-                                                              f"interrupted, status is {status}, cannot resume"})
+            refusal = f"workflow execution {execute_id} is not interrupted, status is {status}, cannot resume"
+            return reply.json(200, {"code": 720701013, "msg": refusal})
         with self._lock:
             run["status"] = "Running"
             self.resumed[execute_id] += 1

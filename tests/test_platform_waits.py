@@ -45,7 +45,8 @@ def flow_stage(server: WaitingN8n) -> list[dict]:
 
 @pytest.fixture
 def push(settings, redis_client, monkeypatch):
-    own = settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"], "secrets": {"acme": {"n8n": N8N_KEY}}})
+    own = settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"],
+                                      "secrets": {"acme": {"n8n": N8N_KEY}}})
     ledger = Ledger(redis_client, own)
     d = Dispatcher.build(own, ledger)
     monkeypatch.setattr(gateway.push.dispatch, "_DISPATCHER", d)
@@ -194,7 +195,8 @@ def test_sigkill_while_the_approval_is_open_loses_nothing(redis_server, redis_cl
             assert [a["id"] for a in again] == [pending[0]["id"]]  # the approval is still there
             execution_id = next(iter(n8n.executions))
             assert n8n.resumed[execution_id] == 0  # and the execution still waits on n8n
-            decided = stack.post(f"/v1/approvals/{pending[0]['id']}", {"decision": "approve", "comment": "ok"})
+            decided = stack.post(f"/v1/approvals/{pending[0]['id']}",
+                                 {"decision": "approve", "comment": "ok"})
             assert decided.status_code == 200, decided.text
             job = stack.until(lambda: (j := stack.get(f"/v1/jobs/{job_id}"))["status"] == "succeeded" and j)
             out = stack.get(f"/v1/jobs/{job_id}/batches/0")["stages"]["review"]["output"]

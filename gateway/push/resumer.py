@@ -107,8 +107,8 @@ def settle_wait(dispatcher: Dispatcher, spec: JobSpec, seq: int, stage_idx: int,
     dispatcher._remember_run(spec, seq, token, seen.watch or {})
     dispatcher.ledger.note(spec.job_id, "waiting_on_person", **where, prompt=seen.prompt,
                            error=seen.message[:500], **seen.platform_ids)
-    opened = dispatcher.ledger.open_platform_approval(spec.job_id, seq, token, seen.prompt or seen.message[:500],
-                                                      platform=seen.resume)
+    opened = dispatcher.ledger.open_platform_approval(spec.job_id, seq, token,
+                                                      seen.prompt or seen.message[:500], platform=seen.resume)
     log.info("platform run waits for a person job_id=%s seq=%s approval=%s", spec.job_id, seq,
              opened.get("approval_id"))
     return None
@@ -159,9 +159,9 @@ class PlatformResumer:
             self.dispatcher.ledger.note(ref.job_id, "platform_resume_failed", **fields,
                                         error=outcome.message[:500], retry=outcome.retry.value)
         else:
-            self.dispatcher.ledger.note(ref.job_id, "platform_resumed", **fields, decision=rec.get("decision"),
-                                        error=outcome.message[:500] if isinstance(outcome, PlatformError)
-                                        else None)
+            refused = outcome.message[:500] if isinstance(outcome, PlatformError) else None
+            self.dispatcher.ledger.note(ref.job_id, "platform_resumed", **fields,
+                                        decision=rec.get("decision"), error=refused)
         self.dispatcher.kick(ref.job_id)  # the batch's next attempt collects the run's answer
 
 

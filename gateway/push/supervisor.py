@@ -18,7 +18,6 @@ import threading
 import time
 from typing import Any
 
-
 from gateway.errors import BatchgateError, Conflict, CorruptRecord, NotFound
 from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.generation import Generation

@@ -1,4 +1,5 @@
-"""Resuming platform runs that wait for a person, against stand-ins on a real socket (tests/standins_waiting.py).
+"""Resuming platform runs that wait for a person, against stand-ins on a real socket
+(tests/standins_waiting.py).
 
 For each platform: the wait is reported as ``WaitingHuman`` with the platform's prompt and a JSON resume
 handle; a decision resumes the run through the platform's API and the run is followed to its output;
@@ -186,7 +187,8 @@ def test_a_dify_human_input_node_reports_its_form_as_the_resume_handle(dify, ses
     run_id = wait.platform_ids["workflow_run_id"]
     assert handle["platform"] == "dify" and handle["workflow_run_id"] == run_id
     assert handle["form_token"] == f"form-token-{run_id}" and handle["user"] == "batchgate"
-    assert [a["id"] for a in handle["actions"]] == ["approve", "reject"] and handle["node_title"] == "Approve refund"
+    assert [a["id"] for a in handle["actions"]] == ["approve", "reject"]
+    assert handle["node_title"] == "Approve refund"
     assert roundtrip(handle) == handle
 
 
@@ -325,8 +327,8 @@ def test_a_coze_resume_whose_stream_hangs_is_known_from_the_history(coze, sessio
 
 def test_a_sync_coze_question_says_how_to_answer_it(coze, session):
     coze.plan("question")
-    stage_call = call({"type": "coze", "base_url": coze.base_url, "token_secret": "TOKEN", "workflow_id": "7391",
-                       "studio": True}, {"token_secret": COZE_TOKEN})
+    stage_call = call({"type": "coze", "base_url": coze.base_url, "token_secret": "TOKEN",
+                       "workflow_id": "7391", "studio": True}, {"token_secret": COZE_TOKEN})
     with pytest.raises(PlatformError) as info:
         get_connector("coze").trigger(stage_call, session)
     assert info.value.code == "waiting_human" and getattr(info.value, "resume", None) is None
