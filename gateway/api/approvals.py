@@ -65,6 +65,16 @@ def decide(approval_id: str):
     req = parse(DecisionRequest, json_body(), "the decision")
     if req.decision == "reject" and req.output is not None:
         raise InvalidRequest("output: only an approval may replace the shown output")
-    view, _ = request_services().ledger.approvals.decide(
+    services = request_services()
+    view, fresh = services.ledger.approvals.decide(
         g.tenant, approval_id, req.decision, g.actor, comment=req.comment or "", output=req.output)
+    if fresh:
+        wake(services, view["job_id"])
     return jsonify(view)
+
+
+def wake(services: Any, job_id: str) -> None:
+    """A decision may have made a batch ready for a push stage: wake the workers (the supervisor's
+    pump would find it within a tick anyway)."""
+    if services.dispatcher is not None:
+        services.dispatcher.kick(job_id)

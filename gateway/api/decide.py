@@ -14,6 +14,7 @@ from typing import Any
 
 from flask import Blueprint, Response, request
 
+from gateway.api.approvals import wake
 from gateway.api.common import request_services
 from gateway.errors import BatchgateError, InvalidRequest
 from gateway.ledger.approvals import ApprovalDecided, ApprovalRef
@@ -107,12 +108,15 @@ def decide(token: str):
         title = f"Approval for batch {view['seq']} of {view['job_id']}"
         actor = f"link:{approver}" if approver else "link"
         try:
-            view, _ = ledger.approvals.decide(rec["tenant"], view["id"], decision, actor,
-                                              comment=request.form.get("comment", "")[:2000],
-                                              approver=approver)
+            view, fresh = ledger.approvals.decide(rec["tenant"], view["id"], decision, actor,
+                                                  comment=request.form.get("comment", "")[:2000],
+                                                  approver=approver)
         except ApprovalDecided:
+            fresh = False
             view = ledger.approvals.view(ledger.approvals.record(ApprovalRef.parse(view["id"])))
+        if not fresh:  # one decision per approval: a second use shows the one made
             return _html(title, _details(view) + "<p>This link was used already.</p>" + _decided(view), 409)
+        wake(request_services(), view["job_id"])
     except BatchgateError as exc:
         return _error(exc)
     return _html(title, _details(view) + _decided(view))

@@ -197,7 +197,7 @@ VIEW_SCHEMAS: dict[str, Any] = {
         ["event_id", "attempt", "at_ms", "ok"], event_id=STR, type=STR, job_id=STR, attempt=INT, at_ms=INT,
         status=_nullable(INT), answer=STR, ok=BOOL, gave_up=BOOL)}),
     "Items": {"type": "array", "description": "the batch's items"},
-    "Approval": _obj(
+    "ApprovalView": _obj(
         ["id", "job_id", "seq", "stage", "stage_index", "kind", "status", "items", "created", "deadline"],
         id=STR, job_id=STR, seq=INT, stage=_nullable(STR), stage_index=INT, round=INT,
         kind={"enum": ["stage", "platform"]},
@@ -213,7 +213,7 @@ VIEW_SCHEMAS: dict[str, Any] = {
                                 edited_output=BOOL)),
         links={"type": "array", "description": "pending only: signed decision links",
                "items": _obj(["approver", "url"], approver=_nullable(STR), url=STR)}),
-    "ApprovalList": _obj(["approvals"], approvals={"type": "array", "items": _ref("Approval")},
+    "ApprovalList": _obj(["approvals"], approvals={"type": "array", "items": _ref("ApprovalView")},
                          next=_nullable({**STR, "description": "the next page; null on the last"})),
 }
 
@@ -266,6 +266,9 @@ FLOW_RULES = (
     Rule("a target is checked by its type (connectors/)", "invalid-request", r"target"),
     Rule("a target's *_secret fields name secrets the tenant has", "invalid-request", "names the secret"),
     Rule(SOURCE_RULE.says, "invalid-request", r"source|a fetching first stage|an external source"),
+    Rule("an approval stage is not the first, has no target, does not fetch, shows an earlier stage and "
+         "names distinct approvers", "invalid-request",
+         r"approval stage|is not an earlier stage|approvers must be distinct"),
 )
 JOB_RULES = (
     Rule("an Idempotency-Key is used with one body only", "idempotency-mismatch", ""),
@@ -441,9 +444,9 @@ ROUTES: tuple[Route, ...] = (
           tags=("approvals",), rules=(Rule("a cursor is one this listing made, for the same status",
                                            "invalid-request", "^cursor"),)),
     Route("get", "/v1/approvals/{approval_id}", "One approval, with signed decision links while pending",
-          {200: ("the approval", "Approval")}, (404,), params=(APPROVAL,), tags=("approvals",)),
+          {200: ("the approval", "ApprovalView")}, (404,), params=(APPROVAL,), tags=("approvals",)),
     Route("post", "/v1/approvals/{approval_id}", "Decide an approval as the token's actor",
-          {200: ("decided (or the same decision again: the first record)", "Approval")},
+          {200: ("decided (or the same decision again: the first record)", "ApprovalView")},
           (*BODY, 403, 404, 409), body=DecisionRequest, params=(APPROVAL,), tags=("approvals",),
           rules=(Rule("only an approval may replace the shown output", "invalid-request", "^output"),)),
     Route("get", "/decide/{token}", "A signed decision link: an HTML page that shows the approval and asks",

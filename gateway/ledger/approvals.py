@@ -397,9 +397,13 @@ class Approvals:
             pipe.zscore(key, _member(int(c or 0), approval_id))
         missing = [(a, int(c or 0)) for a, c, s in zip(pending, created, pipe.execute(), strict=True)
                    if s is None]
-        for approval_id, c in missing:
-            self.file(tenant, approval_id, c, "pending")
-        return len(missing)
+        healed = 0
+        for approval_id, c in missing:  # read again: a decision may have filed it meanwhile
+            ref = ApprovalRef.parse(approval_id)
+            if self.r.hget(k.approval(ref.seq, ref.stage, ref.round), "status") == "pending":
+                self.file(tenant, approval_id, c, "pending")
+                healed += 1
+        return healed
 
     # -- signed decision links ---------------------------------------------------------------------
 

@@ -92,29 +92,23 @@ class Approval(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    timeout: timedelta = Field(description="how long a batch waits for a decision (1 s .. 30 d)")
+    timeout: timedelta = Field(ge=MIN_APPROVAL_TIMEOUT, le=MAX_APPROVAL_TIMEOUT,
+                               description="how long a batch waits for a decision (1 s .. 30 d)")
     on_timeout: Literal["reject", "approve", "fail"] = Field(
         default="reject", description="what the supervisor decides at the deadline: reject the batch, "
         "approve it as shown, or fail the job")
     approvers: list[Annotated[str, Field(min_length=1, max_length=200)]] | None = Field(
-        default=None, max_length=50, description="who may decide (the token's actor, e.g. tenant:acme, "
+        default=None, min_length=1, max_length=50, description="who may decide (the token's actor, e.g. tenant:acme, "
         "or a name a signed link was made for); none = anyone of the tenant")
     show: str | None = Field(default=None, pattern=NAME,
                              description="an earlier stage whose output the approval shows and, approved, "
                                          "commits (default: the stage just before)")
 
-    @field_validator("timeout")
-    @classmethod
-    def _bounded(cls, value: timedelta) -> timedelta:
-        if not MIN_APPROVAL_TIMEOUT <= value <= MAX_APPROVAL_TIMEOUT:
-            raise ValueError("timeout must be between 1 s and 30 days")
-        return value
-
     @field_validator("approvers")
     @classmethod
     def _unique(cls, value: list[str] | None) -> list[str] | None:
-        if value is not None and (not value or len(set(value)) != len(value)):
-            raise ValueError("approvers must be a non-empty list of distinct names")
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("approvers must be distinct names")
         return value
 
     @property

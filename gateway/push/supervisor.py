@@ -161,8 +161,8 @@ class Supervisor:
             approvals.open_ready(job_id)
         for approval_id, outcome in approvals.apply_timeouts(job_id):
             log.info("approval timed out approval=%s job_id=%s outcome=%s", approval_id, job_id, outcome)
-        if approvals.heal(job_id, spec.tenant):
-            log.warning("supervisor: approval listing repaired job_id=%s", job_id)
+        if approvals.heal(job_id, spec.tenant):  # usually an opening whose listing write is in flight
+            log.info("supervisor: approval listing filed job_id=%s", job_id)
 
     def _retire(self, job_id: str, status: str) -> None:
         if status != "failed":
