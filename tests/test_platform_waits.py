@@ -7,7 +7,7 @@ resume URL is called (tests/standins_waiting.py), over real sockets:
   platform's prompt and holds no lease; approving resumes the execution once and its output is
   committed once (fast path: the resumer the API installs); a decision whose resume never reached n8n is
   carried out by the batch's next attempt (durable path); a rejection is sent to n8n and fails the batch
-  as ``rejected``;
+  as ``rejected``; a Dify form and a Coze question are answered with the decision's ``output`` the same way;
 - real processes (gunicorn API, ``batchgate worker``, ``batchgate supervisor``): SIGKILL of all three
   while the approval is open loses nothing: after restart the approval and the waiting execution are
   still there, and approving through the API resumes the execution once and commits its output once.
@@ -31,10 +31,10 @@ from gateway.push.dispatch import Dispatcher
 from gateway.runtime import procs
 from gateway.settings import Settings
 from tests.conftest import TOKEN
-from tests.standins_waiting import REVIEW_NOTE, WaitingN8n
+from tests.standins_waiting import REVIEW_NOTE, WaitingCoze, WaitingDify, WaitingN8n
 from tests.test_platform_end_states import batch, log, run_job
 
-N8N_KEY = "n8n-standin-key"
+N8N_KEY, DIFY_KEY, COZE_TOKEN = "n8n-standin-key", "app-standin-key", "pat_standin-token"
 
 
 def flow_stage(server: WaitingN8n) -> list[dict]:
@@ -45,8 +45,8 @@ def flow_stage(server: WaitingN8n) -> list[dict]:
 
 @pytest.fixture
 def push(settings, redis_client, monkeypatch):
-    own = settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"],
-                                      "secrets": {"acme": {"n8n": N8N_KEY}}})
+    own = settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"], "secrets": {"acme": {
+        "n8n": N8N_KEY, "dify": DIFY_KEY, "coze": COZE_TOKEN}}})
     ledger = Ledger(redis_client, own)
     d = Dispatcher.build(own, ledger)
     monkeypatch.setattr(gateway.push.dispatch, "_DISPATCHER", d)
@@ -129,6 +129,42 @@ def test_a_rejection_is_sent_to_n8n_and_fails_the_batch_as_rejected(push, make_j
     failed = batch(api, job_id)
     assert failed["status"] == "failed" and failed["error_type"] == "rejected", failed
     assert not committed(ledger, job_id)
+
+
+# -- Dify and Coze through the gateway ----------------------------------------------------------------
+
+@pytest.mark.parametrize("platform", ["dify", "coze"])
+def test_a_dify_form_and_a_coze_question_are_answered_through_their_approval(push, make_job, api, platform):
+    ledger, d = push
+    resumer.install(d, background=False)
+    with (WaitingDify(api_key=DIFY_KEY, run_s=0.1) if platform == "dify"
+          else WaitingCoze(token=COZE_TOKEN, run_s=0.1)) as server:
+        if platform == "dify":
+            target = {"type": "dify", "base_url": server.base_url, "api_key_secret": "dify",
+                      "mode": "streaming"}
+            answer, prompt = {"comment": "total checked"}, WaitingDify.PROMPT
+        else:
+            server.plan("question")
+            target = {"type": "coze", "base_url": server.base_url, "token_secret": "coze",
+                      "workflow_id": "7391", "mode": "stream", "studio": True}
+            answer, prompt = "EMEA", WaitingCoze.PROMPT
+        stage = {**flow_stage(server)[0], "target": target}
+        job_id = make_job(items=[1, 2], max_items=2, stage_defs=[stage])
+        job, _ = run_job(ledger, d, job_id)
+        assert job["status"] == "waiting_human", job
+        (approval,), _ = ledger.approvals.list("acme", "pending")
+        assert approval["prompt"] == prompt
+        ledger.approvals.decide("acme", approval["id"], "approve", "ana", output=answer)
+        job, _ = run_job(ledger, d, job_id)
+        billed = dict(server.billed) if platform == "coze" else None
+        resumed = server.submitted if platform == "dify" else server.resumed
+    assert job["status"] == "succeeded", job
+    out = batch(api, job_id)["stages"]["review"]["output"]
+    if platform == "dify":
+        assert out == {"count": 2, "action": "approve", "inputs": answer}
+    else:
+        assert out == {"count": 2, "answer": "EMEA"} and list(billed.values()) == [1]
+    assert list(resumed.values()) == [1] and len(committed(ledger, job_id)) == 1
 
 
 # -- real processes, SIGKILL while the approval is open -------------------------------------------------
