@@ -154,14 +154,15 @@ class PlatformResumer:
         what = type(outcome).__name__
         log.info("platform run resumed approval=%s job_id=%s seq=%s decision=%s outcome=%s", ref.id,
                  ref.job_id, ref.seq, rec.get("decision"), what)
-        fields = {"seq": ref.seq, "stage": spec.flow.stages[ref.stage].name, "approval": ref.id}
-        if isinstance(outcome, PlatformError) and outcome.code != "rejected":
-            self.dispatcher.ledger.note(ref.job_id, "platform_resume_failed", **fields,
-                                        error=outcome.message[:500], retry=outcome.retry.value)
-        else:
-            refused = outcome.message[:500] if isinstance(outcome, PlatformError) else None
-            self.dispatcher.ledger.note(ref.job_id, "platform_resumed", **fields,
-                                        decision=rec.get("decision"), error=refused)
+        fields = {"seq": ref.seq, "stage": spec.flow.stages[ref.stage].name, "approval": ref.id,
+                  "decision": rec.get("decision")}
+        if not isinstance(outcome, PlatformError):
+            event, error = "platform_resumed", None
+        elif outcome.code == "rejected":  # the platform takes no rejection: its run still waits there
+            event, error = "platform_not_resumed", outcome.message[:500]
+        else:  # approved: the batch's next attempt resumes it (durable path); rejected: it stays waiting
+            event, error = "platform_resume_failed", outcome.message[:500]
+        self.dispatcher.ledger.note(ref.job_id, event, **fields, error=error)
         self.dispatcher.kick(ref.job_id)  # the batch's next attempt collects the run's answer
 
 
