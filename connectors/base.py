@@ -238,7 +238,7 @@ class Connector(Protocol):
     def poll(self, call: StageCall, handle: dict[str, Any], session: requests.Session) -> Outcome: ...
 
 
-class Resumer(Protocol):
+class Resumable(Protocol):
     """A connector that can resume a run waiting for a person (n8n, Dify, Coze)."""
 
     def resume(self, call: StageCall, handle: dict[str, Any], decision: Decision,
