@@ -20,7 +20,7 @@ import requests
 from connectors.base import Decision, Outcome, PlatformError, Retry, Running, StageCall
 
 
-def resumer(platform: Any) -> Any:
+def connector_for(platform: Any) -> Any:
     """The connector that resumes runs of ``platform``.
 
     Raises:
@@ -36,7 +36,7 @@ def resumer(platform: Any) -> Any:
 
 def resume(call: StageCall, handle: dict[str, Any], decision: Decision, session: requests.Session) -> Outcome:
     """Resume the run ``handle`` names with ``decision`` (module docstring)."""
-    return resumer(handle.get("platform")).resume(call, handle, decision, session)
+    return connector_for(handle.get("platform")).resume(call, handle, decision, session)
 
 
 def follow(connector: Any, call: StageCall, outcome: Outcome, session: requests.Session, *,

@@ -30,7 +30,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from connectors.base import Decision, Outcome, PlatformError, Retry, WaitingHuman
-from connectors.resume import resumer as connector_for
+from connectors.resume import connector_for
 from gateway.errors import BatchgateError
 from gateway.ledger.approvals import ApprovalRef
 from gateway.ledger.jobspec import JobSpec
