@@ -17,6 +17,7 @@ from typing import Any
 
 import requests
 
+from connectors import CONNECTORS
 from connectors.base import Decision, Outcome, PlatformError, Retry, Running, StageCall
 
 
@@ -26,8 +27,6 @@ def connector_for(platform: Any) -> Any:
     Raises:
         PlatformError: FATAL for a platform whose connector cannot resume runs.
     """
-    from connectors import CONNECTORS  # the package imports this module's users
-
     connector = CONNECTORS.get(platform) if isinstance(platform, str) else None
     if connector is None or not hasattr(connector, "resume"):
         raise PlatformError(f"batchgate cannot resume runs of platform {platform!r}", Retry.FATAL)
