@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 import logging
 import re
@@ -315,7 +316,8 @@ class Approvals:
     # -- opening outside a commit ---------------------------------------------------------------
 
     def open_platform(self, job_id: str, seq: int, lease_token: str, prompt: Any,
-                      platform: dict[str, Any] | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+                      platform: dict[str, Any] | None = None,
+                      timeout_s: float | None = None) -> dict[str, Any]:
         """Turn a leased batch whose platform waits for a person into waiting_human (open_approval.lua)."""
         spec = self.ledger.spec(job_id)
         batch = self.ledger.batch_record(job_id, seq)
@@ -326,7 +328,8 @@ class Approvals:
         if current != token_sum:
             rnd += 1  # a new wait; a retry by the same lease names the round it opened (first answer)
         timeout_ms = int((timeout_s or spec.flow.stages[stage].max_run.total_seconds()) * 1000)
-        gate = {"t": max(1000, timeout_ms), "o": "reject", "a": "", "s": "", "n": spec.flow.stages[stage].name}
+        gate = {"t": max(1000, timeout_ms), "o": "reject", "a": "", "s": "",
+                "n": spec.flow.stages[stage].name}
         res = self._open(spec, seq, stage, rnd, "leased", lease_token, gate,
                          "" if prompt is None else dumps(prompt), "" if platform is None else dumps(platform))
         self.ledger._raise_for(res, job_id, seq)
@@ -417,6 +420,4 @@ class Approvals:
 
 
 def _sha1(text: str) -> str:
-    import hashlib
-
     return hashlib.sha1(text.encode()).hexdigest()
