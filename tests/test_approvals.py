@@ -11,6 +11,7 @@ import pytest
 from gateway.errors import Conflict, Forbidden, InvalidRequest, NotFound, StaleLease
 from gateway.ledger.approvals import ApprovalDecided, ApprovalRef
 from gateway.ledger.flows import parse_flow
+from gateway.push.supervisor import Supervisor
 
 
 def gated(timeout="PT1H", on_timeout="reject", approvers=None, show=None, last=True):
@@ -117,11 +118,15 @@ def test_timeouts(ledger, make_job, on_timeout, batch_status, job_status):
     job = make_job(items=3, max_items=3, stage_defs=gated(timeout="PT1S", on_timeout=on_timeout),
                    tolerated_failure_percentage=100 if on_timeout == "fail" else 0)
     opened = score_all(ledger, job)
-    assert ledger.approvals.apply_timeouts(job) == []  # not due yet
+    supervisor = Supervisor(ledger, name="test")
+    supervisor.tick()
+    assert ledger.approvals.get("acme", opened[0])["status"] == "pending"  # not due yet
     time.sleep(1.1)
-    out = ledger.approvals.apply_timeouts(job)
-    assert [a for a, _ in out] == [opened[0]]
-    assert ledger.approvals.apply_timeouts(job) == []  # once
+    supervisor.tick()
+    supervisor.tick()  # once: a decided approval is not decided again
+    assert ledger.approvals.apply_timeouts(job) == []
+    events = [f["type"] for _, f in ledger.r.xrange(ledger.keys.job(job).events)]
+    assert events.count("approval.decided") == 1
     view = ledger.approvals.get("acme", opened[0])
     assert view["decision"]["actor"] == "supervisor:timeout"
     assert ledger.batch_record(job, 0)["status"] == batch_status
@@ -206,3 +211,30 @@ def test_ids_parse():
     assert ApprovalRef.parse("job_abc.3.1.2") == ApprovalRef("job_abc", 3, 1, 2)
     with pytest.raises(NotFound):
         ApprovalRef.parse("job_abc:3")
+
+
+def test_a_job_with_waiting_batches_is_kept_by_retention(ledger, make_job):
+    """Failed by its budget while another batch waits: the supervisor keeps watching it (timeouts still
+    apply) and retires it only once nothing waits."""
+    job = make_job(items=6, max_items=3, stage_defs=gated(timeout="PT1S", on_timeout="approve"))
+    opened = score_all(ledger, job)
+    ledger.approvals.decide("acme", opened[0], "reject", "tenant:acme")
+    assert status(ledger, job) == "failed"
+    supervisor = Supervisor(ledger, name="test")
+    supervisor.tick()
+    assert ledger.r.sismember(ledger.keys.active, job)
+    time.sleep(1.1)
+    supervisor.tick()
+    assert ledger.approvals.get("acme", opened[1])["status"] == "approved"
+    assert ledger.batch_record(job, 1)["status"] == "completed"
+    supervisor.tick()
+    assert not ledger.r.sismember(ledger.keys.active, job)
+
+
+def test_cancelled_jobs_leave_the_inbox(ledger, make_job):
+    job = make_job(items=3, max_items=3, stage_defs=gated())
+    opened = score_all(ledger, job)
+    ledger.cancel(job, "tester")
+    assert ledger.approvals.list("acme", "pending")[0] == []
+    with pytest.raises(Conflict):
+        ledger.approvals.decide("acme", opened[0], "approve", "tenant:acme")

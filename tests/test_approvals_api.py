@@ -121,7 +121,8 @@ def test_tampered_and_expired_links(api, ledger):
     url = api.get(f"/v1/approvals/{aid}").json()["links"][0]["url"]
     base, token = url.rsplit("/", 1)
     body, mac = token.split(".")
-    for forged in (body + "." + mac[:-2] + ("AA" if mac[-2:] != "AA" else "BB"), body[:-1] + "." + mac, "x.y"):
+    other_mac = mac[:-2] + ("AA" if mac[-2:] != "AA" else "BB")
+    for forged in (body + "." + other_mac, body[:-1] + "." + mac, "x.y"):
         res = requests.post(f"{base}/{forged}", data={"decision": "approve"}, timeout=10)
         assert res.status_code == 401 and res.headers["Content-Type"].startswith("text/html")
     expired = token_for(ledger, aid, None, int(time.time() * 1000) - 120_000)
@@ -134,7 +135,8 @@ def test_tampered_and_expired_links(api, ledger):
 def test_pull_complete_waiting_human_opens_a_platform_approval(api):
     flow = {"id": "ask", "version": "1", "stages": [{"name": "work"}, {"name": "store"}]}
     assert api.post("/v1/flows", json=flow).status_code == 201
-    job_id = api.post("/v1/jobs", json={"flow_id": "ask", "source": {"type": "sequence", "count": 1}}).json()["job_id"]
+    job = api.post("/v1/jobs", json={"flow_id": "ask", "source": {"type": "sequence", "count": 1}})
+    job_id = job.json()["job_id"]
     env = api.post(f"/v1/jobs/{job_id}/lease", json={}).json()
     body = {"lease_token": env["lease_token"], "status": "waiting_human", "prompt": {"q": "ship it?"}}
     first = api.post(f"/v1/jobs/{job_id}/batches/0/complete", json=body)

@@ -99,7 +99,8 @@ class Receiver:
         self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_port
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                         daemon=True).start()
 
     def down(self) -> None:
         self.server.shutdown()
@@ -176,7 +177,8 @@ def pending_ids(api: ApiClient) -> list[str]:
 
 def test_three_stage_flow_with_people_and_events(settings, redis_client, tmp_path):
     receiver = Receiver()
-    with StandInPlatform(seed=3) as platform, stack(settings, redis_client, tmp_path / "data") as (api, ledger):
+    with StandInPlatform(seed=3) as platform, \
+            stack(settings, redis_client, tmp_path / "data") as (api, ledger):
         sub = api.post("/v1/subscriptions", json={"url": receiver.url, "events": list(EVENT_TYPES)})
         assert sub.status_code == 201, sub.text
         receiver.secret = sub.json()["secret"]

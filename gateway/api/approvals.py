@@ -8,8 +8,8 @@ from urllib.parse import urlencode
 from flask import Blueprint, g, jsonify, request
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.errors import InvalidRequest
 from gateway.api.common import json_body, query_int, request_services
+from gateway.errors import InvalidRequest
 from gateway.ledger.approvals import LISTED, PAGE_MAX
 from gateway.ledger.decisions import links_for
 from gateway.validation import parse
@@ -35,7 +35,8 @@ def list_approvals():
     limit = query_int("limit", 50, 1, PAGE_MAX)
     if status not in LISTED:
         raise InvalidRequest(f"status must be one of {', '.join(LISTED)}")
-    page, cursor = request_services().ledger.approvals.list(g.tenant, status, limit, request.args.get("cursor"))
+    approvals = request_services().ledger.approvals
+    page, cursor = approvals.list(g.tenant, status, limit, request.args.get("cursor"))
     if cursor is None:
         return jsonify({"approvals": page, "next": None})
     link = f"{request.path}?{urlencode({'status': status, 'limit': limit, 'cursor': cursor})}"

@@ -36,7 +36,8 @@ def _html(title: str, body: str, status: int = 200) -> Response:
     resp = Response(_PAGE.format(title=escape(title), body=body), status=status, mimetype="text/html")
     resp.headers["Cache-Control"] = "no-store"
     resp.headers["X-Frame-Options"] = "DENY"
-    resp.headers["Content-Security-Policy"] = "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'"
+    resp.headers["Content-Security-Policy"] = ("default-src 'none'; style-src 'unsafe-inline'; "
+                                               "form-action 'self'")
     return resp
 
 

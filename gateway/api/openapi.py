@@ -317,8 +317,8 @@ FLOW = _path_param("flow_id", {"type": "string"}, "resume-screening", "a flow id
 VERSION = _path_param("version", {"type": "string"}, "1", "a flow version")
 SEQ = _path_param("seq", {"type": "integer", "minimum": 0, "maximum": 2**53}, 0, "a batch's sequence")
 TOKEN = _path_param("token", {"type": "string"}, "eyJqIjoiam9iXzAxIn0.c2ln", "the signed token")
-APPROVAL = _path_param("approval_id", {"type": "string", "maxLength": 100}, "job_0190c0ffee01a2b3c4d5e6.0.1.1",
-                       "an approval id (<job_id>.<seq>.<stage>.<round>)")
+APPROVAL = _path_param("approval_id", {"type": "string", "maxLength": 100},
+                       "job_0190c0ffee01a2b3c4d5e6.0.1.1", "an approval id (<job_id>.<seq>.<stage>.<round>)")
 SUB = _path_param("sub_id", {"type": "string", "maxLength": 64}, "sub_0123456789abcdef",
                   "a subscription id (sub_...)")
 LIMIT = _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}, "at most this many")
@@ -513,8 +513,9 @@ def _html_operation(route: Route, op: dict[str, Any]) -> dict[str, Any]:
     """A page for a person: HTML answers (errors too), a form body for the POST."""
     page = {"text/html": {"schema": STR}}
     if route.method == "post":
-        op["requestBody"] = {"required": True, "content": {"application/x-www-form-urlencoded": {"schema": _obj(
-            ["decision"], decision={"enum": ["approve", "reject"]}, comment={**STR, "maxLength": 2000})}}}
+        form = _obj(["decision"], decision={"enum": ["approve", "reject"]}, comment={**STR, "maxLength": 2000})
+        op["requestBody"] = {"required": True,
+                             "content": {"application/x-www-form-urlencoded": {"schema": form}}}
     op["security"] = []
     responses = {str(status): {"description": description, "content": page}
                  for status, (description, _) in route.ok.items()}

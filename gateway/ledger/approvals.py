@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 import logging
 import re
@@ -23,6 +24,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from gateway.errors import Conflict, CorruptRecord, Forbidden, InvalidRequest, JobCancelled, NotFound
@@ -195,7 +197,7 @@ class Approvals:
         """One page of the tenant's approvals in ``status``, newest first; (views, next cursor or None).
 
         Every record on the page is read again; one whose status moved (a lost index write) is filed
-        where it belongs and left out; one whose job expired leaves the listing."""
+        where it belongs and left out; one whose job expired or was cancelled leaves the listing."""
         if status not in LISTED:
             raise InvalidRequest(f"status must be one of {', '.join(LISTED)}")
         key = self.keys.approval_index(tenant, status)
@@ -215,12 +217,13 @@ class Approvals:
                 k = self.keys.job(ref.job_id)
                 pipe.hgetall(k.approval(ref.seq, ref.stage, ref.round))
                 pipe.hgetall(k.batch(ref.seq))
+                pipe.hget(k.job, "status")
             got = pipe.execute()
             for i, (m, ref) in enumerate(zip(members, refs, strict=True)):
-                rec, batch = got[2 * i], got[2 * i + 1]
+                rec, batch, job_status = got[3 * i], got[3 * i + 1], got[3 * i + 2]
                 last = m
-                if not rec:
-                    self.r.zrem(key, m)
+                if not rec or (job_status == "cancelled" and rec.get("status") == "pending"):
+                    self.r.zrem(key, m)  # its job expired, or was cancelled: nobody can decide it
                     continue
                 if rec.get("status") != status:
                     self.file(tenant, ref.id, int(rec["created_ms"]), rec.get("status", ""))
@@ -315,7 +318,8 @@ class Approvals:
     # -- opening outside a commit ---------------------------------------------------------------
 
     def open_platform(self, job_id: str, seq: int, lease_token: str, prompt: Any,
-                      platform: dict[str, Any] | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+                      platform: dict[str, Any] | None = None,
+                      timeout_s: float | None = None) -> dict[str, Any]:
         """Turn a leased batch whose platform waits for a person into waiting_human (open_approval.lua)."""
         spec = self.ledger.spec(job_id)
         batch = self.ledger.batch_record(job_id, seq)
@@ -326,7 +330,8 @@ class Approvals:
         if current != token_sum:
             rnd += 1  # a new wait; a retry by the same lease names the round it opened (first answer)
         timeout_ms = int((timeout_s or spec.flow.stages[stage].max_run.total_seconds()) * 1000)
-        gate = {"t": max(1000, timeout_ms), "o": "reject", "a": "", "s": "", "n": spec.flow.stages[stage].name}
+        gate = {"t": max(1000, timeout_ms), "o": "reject", "a": "", "s": "",
+                "n": spec.flow.stages[stage].name}
         res = self._open(spec, seq, stage, rnd, "leased", lease_token, gate,
                          "" if prompt is None else dumps(prompt), "" if platform is None else dumps(platform))
         self.ledger._raise_for(res, job_id, seq)
@@ -416,7 +421,28 @@ class Approvals:
         return self.r.get(self.keys.decide_key).encode()
 
 
-def _sha1(text: str) -> str:
-    import hashlib
+class ApprovalOps:
+    """The Ledger's approval operations for platform stages (mixed into Ledger, like ControlOps)."""
 
+    approvals: Approvals
+
+    def open_platform_approval(self, job_id: str, seq: int, lease_token: str, prompt: Any,
+                               platform: dict[str, Any] | None = None,
+                               timeout: timedelta | None = None) -> dict[str, Any]:
+        """The leased batch's platform waits for a person: the batch becomes waiting_human with an
+        approval showing ``prompt``, and its lease is released (open_approval.lua). ``platform``
+        describes the run to resume once decided (a resumer's business; None = nothing to resume:
+        approving commits the stage with the decision's output, else the prompt). ``timeout`` defaults
+        to the stage's max_run; at the deadline the approval is rejected. A retry by the same lease
+        answers the first approval (``duplicate``). StaleLease (409) if the token is not current."""
+        return self.approvals.open_platform(job_id, seq, lease_token, prompt, platform,
+                                            timeout.total_seconds() if timeout else None)
+
+    def register_resumer(self, fn: Resumer) -> None:
+        """Call ``fn(approval, decision)`` after every decision on a platform approval (both views as
+        the API shows them), to continue the platform's run; see approvals.Resumer."""
+        self.approvals.resumers.append(fn)
+
+
+def _sha1(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()

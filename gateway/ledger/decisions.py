@@ -62,5 +62,6 @@ def links_for(ledger: Ledger, data: dict[str, Any], settings: Settings,
     links = [{"approver": who,
               "url": f"{root}/decide/{token_for(ledger, data['approval_id'], who, deadline_ms)}"}
              for who in approvers]
-    deadline = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(deadline_ms / 1000)) + f".{deadline_ms % 1000:03d}Z"
+    deadline = (time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(deadline_ms / 1000))
+                + f".{deadline_ms % 1000:03d}Z")
     return {"deadline": deadline, "links": links}

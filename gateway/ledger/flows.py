@@ -98,7 +98,8 @@ class Approval(BaseModel):
         default="reject", description="what the supervisor decides at the deadline: reject the batch, "
         "approve it as shown, or fail the job")
     approvers: list[Annotated[str, Field(min_length=1, max_length=200)]] | None = Field(
-        default=None, min_length=1, max_length=50, description="who may decide (the token's actor, e.g. tenant:acme, "
+        default=None, min_length=1, max_length=50,
+        description="who may decide (the token's actor, e.g. tenant:acme, "
         "or a name a signed link was made for); none = anyone of the tenant")
     show: str | None = Field(default=None, pattern=NAME,
                              description="an earlier stage whose output the approval shows and, approved, "

@@ -26,7 +26,7 @@ from gateway.errors import (
     SourceUnavailable,
     StaleLease,
 )
-from gateway.ledger.approvals import Approvals, Resumer, gate_keys, gates_arg
+from gateway.ledger.approvals import ApprovalOps, Approvals, gate_keys, gates_arg
 from gateway.ledger.control import ControlOps
 from gateway.ledger.jobindex import Filed, JobIndex
 from gateway.ledger.jobspec import JobSpec, RedisListView
@@ -88,7 +88,7 @@ def _iso(ms: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}Z"
 
 
-class Ledger(ControlOps):
+class Ledger(ControlOps, ApprovalOps):
     """Operations on jobs and batches; one instance per Redis client."""
 
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
@@ -498,23 +498,6 @@ class Ledger(ControlOps):
         self._raise_for(res, job_id, seq)
         log.info("stage failed job_id=%s seq=%s attempt=%s outcome=%s", job_id, seq, res[1], res[0])
         return {"job_id": job_id, "seq": seq, "attempt": int(res[1]), "outcome": res[0]}
-
-    def open_platform_approval(self, job_id: str, seq: int, lease_token: str, prompt: Any,
-                               platform: dict[str, Any] | None = None,
-                               timeout: timedelta | None = None) -> dict[str, Any]:
-        """The leased batch's platform waits for a person: the batch becomes waiting_human with an
-        approval showing ``prompt``, and its lease is released (open_approval.lua). ``platform``
-        describes the run to resume once decided (a resumer's business; None = nothing to resume:
-        approving commits the stage with the decision's output, else the prompt). ``timeout`` defaults
-        to the stage's max_run; at the deadline the approval is rejected. A retry by the same lease
-        answers the first approval (``duplicate``). StaleLease (409) if the token is not current."""
-        return self.approvals.open_platform(job_id, seq, lease_token, prompt, platform,
-                                            timeout.total_seconds() if timeout else None)
-
-    def register_resumer(self, fn: Resumer) -> None:
-        """Call ``fn(approval, decision)`` after every decision on a platform approval (both views as
-        the API shows them), to continue the platform's run; see approvals.Resumer."""
-        self.approvals.resumers.append(fn)
 
     def _ready_keys(self, spec: JobSpec) -> tuple[str, ...]:
         return _ready_keys(self.keys.prefix, spec.job_id, spec.stage_count)
