@@ -184,8 +184,8 @@ class N8nConnector:
     def resume(self, call: StageCall, handle: dict[str, Any], decision: Decision,
                session: requests.Session) -> Outcome:
         """Resume an execution waiting for a person, then read it (``n8n_waits.resume``)."""
-        checked(validate_target, call.target)
-        return n8n_waits.resume(call, handle, decision, session, self.poll)
+        target = checked(validate_target, call.target)
+        return n8n_waits.resume(call, handle, decision, session, self.poll, auth=_webhook_auth(call, target))
 
     def poll(self, call: StageCall, handle: dict[str, Any], session: requests.Session) -> Outcome:
         """Read an execution through the public API: done, still running, or failed."""

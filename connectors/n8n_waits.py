@@ -132,7 +132,7 @@ def _send_and_wait(handle: dict[str, Any], body: dict[str, Any], node: dict[str,
 
 
 def resume(call: StageCall, handle: dict[str, Any], decision: Decision, session: requests.Session,
-           poll: Poll) -> Outcome:
+           poll: Poll, auth: dict[str, str] | None = None) -> Outcome:
     """Resume a waiting execution with ``decision``, then read it through ``poll``.
 
     Returns ``Done`` when the resume answer is the contract (a Wait node responding when the last node
@@ -140,7 +140,8 @@ def resume(call: StageCall, handle: dict[str, Any], decision: Decision, session:
     (``WaitingHuman`` again at another node). Raises FATAL when the handle cannot be resumed or the
     decision is a rejection the node cannot take, RETRYABLE (outage) when n8n was not reached, RETRYABLE
     when n8n did not confirm and the execution still waits, FATAL when n8n refused it (4xx) and it still
-    waits.
+    waits. ``auth``: the target's webhook credential, sent along (a Wait node may check the same header or
+    basic auth as the Webhook node).
     """
     execution_id = str(handle.get("execution_id") or "")
     pids = ids(execution_id=execution_id)
@@ -153,7 +154,8 @@ def resume(call: StageCall, handle: dict[str, Any], decision: Decision, session:
     method, url, payload = _request(handle, decision, url)
     resp = None
     try:
-        resp = send(call, session, method, url, platform=PLATFORM, payload=payload, platform_ids=pids)
+        resp = send(call, session, method, url, platform=PLATFORM, payload=payload, auth=auth,
+                    platform_ids=pids)
     except PlatformError as err:
         if err.retry is not Retry.UNKNOWN:  # not delivered (outage), or refused by the outbound guard
             raise

@@ -341,3 +341,13 @@ def test_every_wait_names_the_poll_handle_that_watches_its_run(n8n, dify, coze, 
     assert n8n_waiting.watch == {"execution_id": n8n_waiting.resume["execution_id"]}
     assert dify_waiting.watch == {"run_id": dify_waiting.resume["workflow_run_id"]}
     assert coze_waiting.watch == {"execute_id": coze_waiting.resume["execute_id"]}
+
+
+def test_the_n8n_resume_carries_the_targets_webhook_credential(n8n, session):
+    n8n.plan("wait_webhook")
+    connector = get_connector("n8n")
+    stage_call = call({"type": "n8n", "url": n8n.url, "api_url": n8n.base_url, "api_key_secret": "KEY",
+                       "auth_secret": "HOOK"}, {"api_key_secret": N8N_API_KEY, "auth_secret": "hook-s3cret"})
+    wait = waiting(connector, stage_call, connector.trigger(stage_call, session).handle, session)
+    connector.resume(stage_call, wait.resume, APPROVE, session)
+    assert n8n.resume_calls[0].headers["X-N8N-Auth"] == "hook-s3cret"  # a Wait node may check it too
