@@ -56,10 +56,13 @@ class CallbackAnswer(BaseModel):
 
     model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
         {"status": "succeeded", "output": {"scored": 3}},
-        {"status": "failed", "error": {"message": "model quota exceeded", "retryable": True}}]})
+        {"status": "failed", "error": {"message": "model quota exceeded", "retryable": True}},
+        {"status": "waiting_human", "prompt": {"question": "send these 5 emails?"}}]})
 
-    status: str = Field(json_schema_extra={"enum": ["succeeded", "failed"]})
+    status: str = Field(json_schema_extra={"enum": ["succeeded", "failed", "waiting_human"]})
     output: Any = None
+    prompt: Any = Field(default=None, description="waiting_human: what the person is asked (an approval "
+                                                  "opens for the batch, showing it)")
     next_cursor: Any = Field(default=None, description="fetching first stage: the next batch's start")
     error: CallbackError | None = None
 
