@@ -3,12 +3,12 @@
 
 It drives one job at a time through the real Ledger on a real Redis: a pull stage ``score``, an approval
 stage ``review`` (on_timeout drawn per job), and, in half the flows, a pull stage ``store`` after it.
-Actions: lease and complete a pull stage (sometimes answering twice), fail one for good, open a
-platform approval instead of completing (sometimes twice with the same lease), decide a pending approval
-(approve with or without an edited output, reject), decide a decided one again (the same decision, or
-another), let a deadline pass and run the supervisor's timeouts, retry-failed (a rejected batch waits
-in a new round), pause, resume, resume by cursor (re-plans: the old plan's approvals become void when
-next decided), cancel.
+Actions: lease and complete a pull stage (sometimes answering twice; or several in a row), fail one for
+good, open a platform approval instead of completing (sometimes twice with the same lease), decide a
+pending approval (approve with or without an edited output, reject; or several), decide a decided one
+again (the same decision, or another), let a deadline pass and run the supervisor's timeouts,
+retry-failed (a rejected batch waits in a new round), pause, resume, resume by cursor (re-plans: the old
+plan's approvals become void when next decided), cancel.
 
 Invariants, after every step:
   1. a committed stage is never committed again: a batch's ``c:<stage>`` never changes once set, and the
@@ -118,6 +118,17 @@ class ApprovalMachine(RuleBasedStateMachine):
             except (StaleLease, Conflict):
                 pass
         self.leases.pop(lease.seq, None)
+
+    @rule(count=st.integers(1, 6))
+    def work_through(self, count):
+        """Several leases and commits in a row: batches reach their approvals more often."""
+        for _ in range(count):
+            self.lease_and_complete(False)
+
+    @rule(data=st.data())
+    def decide_several(self, data):
+        for _ in range(data.draw(st.integers(1, 4))):
+            self.decide(data, data.draw(st.sampled_from(["approve", "reject"])), data.draw(st.booleans()))
 
     @rule()
     def lease_and_fail(self):

@@ -238,3 +238,70 @@ def test_cancelled_jobs_leave_the_inbox(ledger, make_job):
     assert ledger.approvals.list("acme", "pending")[0] == []
     with pytest.raises(Conflict):
         ledger.approvals.decide("acme", opened[0], "approve", "tenant:acme")
+
+
+# -- the scripts called directly, KEYS and ARGV as their headers say ----------------------------------
+
+def decide_raw(ledger, job_id, approval_id, decision="approve", mode="person", output=""):
+    from gateway.ledger.approvals import gates_arg
+
+    ref = ApprovalRef.parse(approval_id)
+    spec = ledger.spec(job_id)
+    k = ledger.keys.job(job_id)
+    ready = [k.ready(i) for i in range(spec.stage_count)]
+    gates = sorted(spec.flow.gates())
+    return ledger.scripts.decide(
+        keys=[k.job, k.batch(ref.seq), k.approval(ref.seq, ref.stage, ref.round), k.approvals,
+              k.approvals_due, k.items(ref.seq), k.leases, k.done, k.failed, k.log, *ready,
+              *[k.approval(ref.seq, i, 1) for i in gates], k.events],
+        args=[decision, "tester", "", output, mode, spec.stage_count, 1000, spec.budget_total,
+              spec.flow.tolerated_failure_percentage, gates_arg(spec, 11 + len(ready)), job_id, "acme"])
+
+
+def test_decide_script_answers_a_retry_with_the_first_decision(ledger, make_job):
+    job = make_job(items=6, max_items=3, stage_defs=gated(last=False), tolerated_failure_percentage=100)
+    opened = score_all(ledger, job)
+    assert decide_raw(ledger, job, opened[0], mode="timeout") == ["not_due"]
+    first = decide_raw(ledger, job, opened[0], output='{"x":1}')
+    assert first[:3] == ["ok", "approved", "running"]
+    again = decide_raw(ledger, job, opened[0], "reject")
+    assert again[:3] == ["decided", "approved", "approve"]
+    assert ledger.batch_record(job, 0)["out:1"] == '{"x":1}'  # the retry changed nothing
+    assert ledger.r.zcard(ledger.keys.job(job).ready(2)) == 1  # moved on once
+    events = [f["type"] for _, f in ledger.r.xrange(ledger.keys.job(job).events)]
+    assert events.count("approval.decided") == 1
+    assert decide_raw(ledger, job, f"{job}.0.1.9") == ["missing"]
+
+
+def test_a_retried_commit_opens_no_second_approval(ledger, make_job):
+    job = make_job(items=3, max_items=3, stage_defs=gated())
+    lease = ledger.lease(job)
+    first = ledger.complete(job, 0, lease.lease_token, {"s": 1})
+    again = ledger.complete(job, 0, lease.lease_token, {"s": 1})
+    assert not first["duplicate"] and again["duplicate"]
+    k = ledger.keys.job(job)
+    assert ledger.r.zrange(k.approvals, 0, -1) == [f"{job}.0.1.1"]
+    assert ledger.job_fields(job)["n_waiting"] == "1"
+    events = [f["type"] for _, f in ledger.r.xrange(k.events)]
+    assert events.count("approval.requested") == 1
+
+
+def test_open_script_retried_by_the_same_lease_answers_the_first_approval(ledger, make_job):
+    job = make_job(items=3, max_items=3, stages=("work",))
+    lease = ledger.lease(job)
+    k = ledger.keys.job(job)
+    gate = '{"t":60000,"o":"reject","a":"","s":"","n":"work"}'
+
+    def open_raw(token, rnd):
+        return ledger.scripts.open_approval(
+            keys=[k.job, k.batch(0), k.approval(0, 0, rnd), k.approvals, k.approvals_due, k.leases,
+                  k.ready(0), k.log, k.events],
+            args=["leased", token, rnd, job, "acme", 0, gate, '"ok?"', "", 1000, 0])
+
+    first = open_raw(lease.lease_token, 1)
+    assert first[0] == "ok" and first[1] == f"{job}.0.0.1" and first[4] == "0"
+    again = open_raw(lease.lease_token, 1)
+    assert again[:3] == first[:3] and again[4] == "1"
+    assert open_raw("someone-else", 2)[0] == "stale"
+    assert ledger.job_fields(job)["n_waiting"] == "1"
+    assert ledger.r.zcard(k.leases) == 0

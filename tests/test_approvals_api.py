@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import re
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import requests
 
 from tests.conftest import OTHER_TOKEN
+from tests.test_push_e2e import push_stack
 
 FLOW = {"id": "review", "version": "1", "batching": {"max_items": 2},
         "stages": [{"name": "score"},
@@ -44,6 +48,12 @@ def test_list_show_decide_and_the_4xx_answers(api):
     job_id = start(api)
     ids = pending(api)
     assert len(ids) == 3 and all(i.startswith(job_id) for i in ids)
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    assert job["status"] == "waiting_human" and job["batches"]["waiting_human"] == 3
+    listed = api.get("/v1/jobs?status=waiting_human").json()["jobs"]
+    assert [j["job_id"] for j in listed] == [job_id]  # the job index follows the status
+    waiting = api.get(f"/v1/jobs/{job_id}/batches?status=waiting_human").json()["batches"]
+    assert sorted(b["approval_id"] for b in waiting) == sorted(ids)
     one = api.get(f"/v1/approvals/{ids[0]}").json()
     assert one["status"] == "pending" and one["stage"] == "check" and one["items"]["count"] == 2
     assert one["shown_output"] == {"scored": one["seq"]} and one["links"][0]["approver"] is None
@@ -71,6 +81,8 @@ def test_list_show_decide_and_the_4xx_answers(api):
     assert rejected.status_code == 200 and rejected.json()["status"] == "rejected"
     listed = api.get("/v1/approvals?status=rejected").json()["approvals"]
     assert [a["id"] for a in listed] == [ids[1]]
+    running = api.get("/v1/jobs?status=running").json()["jobs"]
+    assert [j["job_id"] for j in running] == [job_id]
     assert ids[0] in [a["id"] for a in api.get("/v1/approvals?status=approved").json()["approvals"]]
 
 
@@ -149,3 +161,71 @@ def test_pull_complete_waiting_human_opens_a_platform_approval(api):
                                                         "output": {"a": "yes"}}).status_code == 200
     nxt = api.post(f"/v1/jobs/{job_id}/lease", json={}).json()
     assert nxt["stage"] == "store" and nxt["input"] == {"a": "yes"}
+
+
+class AskingPlatform:
+    """A push target whose /ask answers that a person must decide, and whose /store stores."""
+
+    def __init__(self) -> None:
+        platform = self
+        self.asked, self.stored = [], []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                env = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/ask":
+                    platform.asked.append(env["seq"])
+                    body = {"status": "waiting_human",
+                            "prompt": {"question": f"ship batch {env['seq']}?"}}
+                else:
+                    platform.stored.append((env["seq"], env["input"]))
+                    body = {"status": "succeeded", "output": {"stored": True}}
+                raw = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_push_stage_answering_waiting_human_opens_an_approval(settings, redis_client, tmp_path):
+    platform = AskingPlatform()
+    def target(path: str) -> dict:
+        return {"type": "http", "url": f"{platform.url}/{path}", "mode": "sync"}
+
+    flow = {"id": "asking", "version": "1", "batching": {"max_items": 2},
+            "source": {"type": "sequence", "count": 4},
+            "stages": [{"name": "ask", "target": target("ask")},
+                       {"name": "store", "target": target("store")}]}
+    try:
+        with push_stack(settings, redis_client, tmp_path / "data", workers=1) as (api, ledger, _):
+            assert api.post("/v1/flows", json=flow).status_code == 201
+            job_id = api.post("/v1/jobs", json={"flow_id": "asking"}).json()["job_id"]
+            deadline = time.monotonic() + 60
+            while len(ids := pending(api)) < 2:
+                assert time.monotonic() < deadline, "no approval opened"
+                time.sleep(0.1)
+            view = api.get(f"/v1/approvals/{ids[0]}").json()
+            assert view["kind"] == "platform" and view["prompt"]["question"].startswith("ship batch")
+            assert api.get(f"/v1/jobs/{job_id}").json()["status"] == "waiting_human"
+            for aid in ids:
+                res = api.post(f"/v1/approvals/{aid}", json={"decision": "approve", "output": {"ok": aid}})
+                assert res.status_code == 200
+            while api.get(f"/v1/jobs/{job_id}").json()["status"] != "succeeded":
+                assert time.monotonic() < deadline, "the job did not finish"
+                time.sleep(0.1)
+    finally:
+        platform.close()
+    assert sorted(platform.asked) == [0, 1]  # asked once each: a waiting batch is never pushed again
+    assert sorted(platform.stored) == sorted((int(a.split(".")[1]), {"ok": a}) for a in ids)

@@ -79,7 +79,8 @@ def test_gateway_sigkill_with_approvals_open_and_mid_decision(redis_server, redi
     try:
         assert call("POST", f"{gw.base}/v1/flows", json=FLOW).status_code == 201
         source = {"type": "sequence", "count": BATCHES * PER_BATCH}
-        job_id = call("POST", f"{gw.base}/v1/jobs", json={"flow_id": "gated", "source": source}).json()["job_id"]
+        job = call("POST", f"{gw.base}/v1/jobs", json={"flow_id": "gated", "source": source})
+        job_id = job.json()["job_id"]
         k = ledger.keys.job(job_id)
         work(gw.base, job_id, "score", lambda: redis_client.hget(k.job, "status") == "waiting_human")
         scored = {s: redis_client.hget(k.batch(s), "c:0") for s in range(BATCHES)}

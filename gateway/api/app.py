@@ -72,7 +72,8 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     services.spool = CallbackSpool(settings.data_dir / "callback-spool",
                                    lambda token, body: callbacks.commit_callback(services, token, body))
     services.spool.start()  # what an earlier process spooled is committed once Redis answers
-    for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp, subscriptions.bp, approvals.bp, decide.bp):
+    for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp, subscriptions.bp, approvals.bp,
+               decide.bp):
         app.register_blueprint(bp)
     if deferred_check:
         app.before_request(ledger.check_digest_agreement)  # a no-op once it has passed

@@ -56,10 +56,13 @@ class CallbackAnswer(BaseModel):
 
     model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
         {"status": "succeeded", "output": {"scored": 3}},
-        {"status": "failed", "error": {"message": "model quota exceeded", "retryable": True}}]})
+        {"status": "failed", "error": {"message": "model quota exceeded", "retryable": True}},
+        {"status": "waiting_human", "prompt": {"question": "send these 5 emails?"}}]})
 
-    status: str = Field(json_schema_extra={"enum": ["succeeded", "failed"]})
+    status: str = Field(json_schema_extra={"enum": ["succeeded", "failed", "waiting_human"]})
     output: Any = None
+    prompt: Any = Field(default=None, description="waiting_human: what the person is asked (an approval "
+                                                  "opens for the batch, showing it)")
     next_cursor: Any = Field(default=None, description="fetching first stage: the next batch's start")
     error: CallbackError | None = None
 
@@ -150,7 +153,8 @@ VIEW_SCHEMAS: dict[str, Any] = {
         committed_cursor={"description": "any JSON: where the next uncommitted batch starts"},
         committed_seq=INT,
         batches=_obj(["planned", "completed", "failed", "open", "leased"], planned=INT, completed=INT,
-                     failed=INT, open=INT, leased=INT),
+                     failed=INT, open=INT, leased=INT,
+                     waiting_human={**INT, "description": "open batches waiting for a person's decision"}),
         retryable_failed={**INT, "description": "failed batches of a job that succeeded within its failure "
                           "budget: their items were never stored; retry-failed runs them"},
         items_done=INT, items_total=_nullable(INT), progress=_nullable(NUM),
@@ -170,6 +174,7 @@ VIEW_SCHEMAS: dict[str, Any] = {
                       seq=INT, status=_nullable(STR), stage=_nullable(STR), attempt=INT,
                       items=INT, error=_nullable(STR), error_type=_nullable(STR),
                       attempts_spent=INT, stages=OBJ,
+                      approval_id={**STR, "description": "waiting_human: the approval it waits on"},
                       lease_deadline_ms=_nullable(INT)),
     "BatchList": _obj(["batches"], batches={"type": "array", "items": _ref("BatchView")}),
     "LogEntries": _obj(["entries"], entries={"type": "array",
@@ -513,7 +518,8 @@ def _html_operation(route: Route, op: dict[str, Any]) -> dict[str, Any]:
     """A page for a person: HTML answers (errors too), a form body for the POST."""
     page = {"text/html": {"schema": STR}}
     if route.method == "post":
-        form = _obj(["decision"], decision={"enum": ["approve", "reject"]}, comment={**STR, "maxLength": 2000})
+        form = _obj(["decision"], decision={"enum": ["approve", "reject"]},
+                    comment={**STR, "maxLength": 2000})
         op["requestBody"] = {"required": True,
                              "content": {"application/x-www-form-urlencoded": {"schema": form}}}
     op["security"] = []
