@@ -107,6 +107,14 @@ class Unauthorized(FatalError):
     type_slug = "unauthorized"
 
 
+class Forbidden(FatalError):
+    """The caller is known but may not do this (e.g. not one of an approval's approvers)."""
+
+    status = 403
+    title = "Forbidden"
+    type_slug = "forbidden"
+
+
 class NotFound(FatalError):
     """No such resource for this tenant."""
 

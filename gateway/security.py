@@ -21,7 +21,7 @@ from typing import Any
 from gateway.errors import FatalError, Unauthorized
 
 #: URL paths whose last segment is a signed token (authenticated by it, never by a bearer token).
-SIGNED_URL_PATHS = ("/v1/callbacks/", "/v1/blobs/")
+SIGNED_URL_PATHS = ("/v1/callbacks/", "/v1/blobs/", "/decide/")
 _B64URL = re.compile(r"[A-Za-z0-9_-]*")
 #: The fields a token of each purpose carries (besides ``exp``), and their types: a genuine token without
 #: them (signed by an older release, or by hand with the key) is refused as malformed, never a 500.
@@ -29,6 +29,7 @@ _B64URL = re.compile(r"[A-Za-z0-9_-]*")
 CLAIMS: dict[str, dict[str, type]] = {
     "callback": {"j": str, "s": int, "st": int, "a": int, "t": str},
     "blob": {"j": str, "s": int},
+    "decide": {"a": str},  # a: approval id (p: the approver the link was made for, absent = anyone)
 }
 
 

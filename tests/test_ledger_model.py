@@ -1041,3 +1041,15 @@ def test_ledger_model_slow(model_server, tmp_path):
     """20x the CI profile's examples; skipped unless BATCHGATE_SLOW=1 (CI runs ``test_ledger_model``)."""
     run_machine(model_server, tmp_path, max_examples=CI_PROFILE["max_examples"] * 20,
                 stateful_step_count=CI_PROFILE["stateful_step_count"])
+
+
+def test_ledger_model_approvals(model_server, tmp_path):
+    """Approvals: open (on commit, on a platform's wait, re-opened), decide, time out, next to pause,
+    resume, retry-failed, re-plan and cancel (tests/approvals_model.py: its rules and invariants)."""
+    from tests.approvals_model import ApprovalMachine
+
+    machine = type("Machine", (ApprovalMachine,), {"server": model_server, "data_dir": tmp_path})
+    run_state_machine_as_test(machine, settings=settings(
+        deadline=None, derandomize=True, database=None, print_blob=True, max_examples=120,
+        stateful_step_count=40, phases=[Phase.explicit, Phase.generate, Phase.shrink],
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))

@@ -61,7 +61,7 @@ def test_each_status_change_appends_one_event_and_a_refused_change_none(ledger, 
     lease = ledger.lease(failing)
     ledger.fail(failing, lease.seq, lease.lease_token, "boom", retryable=False)
     events = outbox(ledger, failing)
-    assert [e["type"] for e in events] == ["job.failed"] and "budget" in events[0]["error"]
+    assert [e["type"] for e in events] == ["batch.failed", "job.failed"] and "budget" in events[1]["error"]
 
 
 # -- delivery to a local receiver --------------------------------------------------------------------------

@@ -33,16 +33,17 @@ from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
 PROBLEM = "application/problem+json"
-SIGNED_URL_PATHS = ("/v1/callbacks/", "/v1/blobs/")  # authenticated by their signed token
+SIGNED_URL_PATHS = ("/v1/callbacks/", "/v1/blobs/", "/decide/")  # authenticated by their signed token
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 LEDGER_RETRY_AFTER = timedelta(seconds=2)  # a Redis restart from its AOF takes about that
 
 
 def create_app(settings: Settings | None = None, client: redis.Redis | None = None) -> Flask:
     """Build the WSGI app; with no client, connect as settings say (no URL: join a running `up`)."""
-    from gateway.api import callbacks, flows, health, jobs, pull, subscriptions
+    from gateway.api import approvals, callbacks, decide, flows, health, jobs, pull, subscriptions
     from gateway.console import views as console
     from gateway.ledger.embedded import connect
+    from gateway.push import resumer
     from gateway.push.dispatch import Dispatcher
     from gateway.push.supervisor import recovery_gate
 
@@ -72,10 +73,12 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         idempotency=IdempotencyStore(client, ledger.keys, settings.idempotency_ttl),
         dispatcher=Dispatcher.build(settings, ledger) if settings.redis_url else None)
     services: Services = app.extensions["batchgate"]
+    resumer.install(services.dispatcher)  # a decided platform approval resumes its run (issue 16)
     services.spool = CallbackSpool(settings.data_dir / "callback-spool",
                                    lambda token, body: callbacks.commit_callback(services, token, body))
     services.spool.start()  # what an earlier process spooled is committed once Redis answers
-    for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp, subscriptions.bp, console.bp):
+    for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp, subscriptions.bp, approvals.bp,
+               decide.bp, console.bp):
         app.register_blueprint(bp)
     if deferred_check:
         app.before_request(ledger.check_digest_agreement)  # a no-op once it has passed
@@ -134,6 +137,8 @@ def _json_bodies_only() -> None:
     if request.method not in BODY_METHODS or request.routing_exception is not None:
         return
     if request.blueprint == "console":  # form posts, each checked for its CSRF token (console/views.py)
+        return
+    if request.path.startswith("/decide/"):  # an HTML form post (decide.py), not the JSON API
         return
     chunked = "chunked" in request.headers.get("Transfer-Encoding", "").lower()
     if request.content_length or chunked:

@@ -56,7 +56,8 @@ def commit_callback(services: Services, token: str, body: Any) -> dict[str, Any]
     stage = spec.flow.stages[claim["st"]]
     result = commit_answer(services.ledger, spec, stage, claim["s"], claim["t"], answer)
     services.ledger.note(spec.job_id, "callback_received", seq=claim["s"], stage=stage.name,
-                         attempt=claim["a"], status="succeeded" if answer.succeeded else "failed")
+                         attempt=claim["a"], status="waiting_human" if answer.waiting
+                         else "succeeded" if answer.succeeded else "failed")
     if services.dispatcher is not None:
         services.dispatcher.kick(spec.job_id)
     return result

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from pydantic.json_schema import GenerateJsonSchema, models_json_schema
 
 from gateway.api import jobs
+from gateway.api.approvals import DecisionRequest
 from gateway.api.jobs import CancelRequest
 from gateway.api.pull import CompleteRequest, FailRequest, HeartbeatRequest, LeaseRequest
 from gateway.api.subscriptions import SubscriptionRequest
@@ -55,17 +56,20 @@ class CallbackAnswer(BaseModel):
 
     model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
         {"status": "succeeded", "output": {"scored": 3}},
-        {"status": "failed", "error": {"message": "model quota exceeded", "retryable": True}}]})
+        {"status": "failed", "error": {"message": "model quota exceeded", "retryable": True}},
+        {"status": "waiting_human", "prompt": {"question": "send these 5 emails?"}}]})
 
-    status: str = Field(json_schema_extra={"enum": ["succeeded", "failed"]})
+    status: str = Field(json_schema_extra={"enum": ["succeeded", "failed", "waiting_human"]})
     output: Any = None
+    prompt: Any = Field(default=None, description="waiting_human: what the person is asked (an approval "
+                                                  "opens for the batch, showing it)")
     next_cursor: Any = Field(default=None, description="fetching first stage: the next batch's start")
     error: CallbackError | None = None
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     FlowSpec, JobRequest, ResumeRequest, MigrateRequest, CancelRequest, LeaseRequest, HeartbeatRequest,
-    CompleteRequest, FailRequest, CallbackAnswer, SubscriptionRequest)
+    CompleteRequest, FailRequest, CallbackAnswer, SubscriptionRequest, DecisionRequest)
 
 EXAMPLES: dict[str, Any] = {
     "FlowSpec": {"id": "resume-screening", "version": "1", "source": {"type": "sequence", "count": 10},
@@ -81,6 +85,7 @@ EXAMPLES: dict[str, Any] = {
                                                           "retryable": True}},
     "SubscriptionRequest": {"url": "https://hooks.example.com/batchgate",
                             "events": ["job.succeeded", "job.failed"]},
+    "DecisionRequest": {"decision": "approve", "comment": "looks right"},
 }
 
 
@@ -151,7 +156,8 @@ VIEW_SCHEMAS: dict[str, Any] = {
         committed_cursor={"description": "any JSON: where the next uncommitted batch starts"},
         committed_seq=INT,
         batches=_obj(["planned", "completed", "failed", "open", "leased"], planned=INT, completed=INT,
-                     failed=INT, open=INT, leased=INT),
+                     failed=INT, open=INT, leased=INT,
+                     waiting_human={**INT, "description": "open batches waiting for a person's decision"}),
         retryable_failed={**INT, "description": "failed batches of a job that succeeded within its failure "
                           "budget: their items were never stored; retry-failed runs them"},
         items_done=INT, items_total=_nullable(INT), progress=_nullable(NUM),
@@ -171,6 +177,7 @@ VIEW_SCHEMAS: dict[str, Any] = {
                       seq=INT, status=_nullable(STR), stage=_nullable(STR), attempt=INT,
                       items=INT, error=_nullable(STR), error_type=_nullable(STR),
                       attempts_spent=INT, stages=OBJ,
+                      approval_id={**STR, "description": "waiting_human: the approval it waits on"},
                       lease_deadline_ms=_nullable(INT)),
     "BatchList": _obj(["batches"], batches={"type": "array", "items": _ref("BatchView")}),
     "LogEntries": _obj(["entries"], entries={"type": "array",
@@ -199,12 +206,31 @@ VIEW_SCHEMAS: dict[str, Any] = {
         ["event_id", "attempt", "at_ms", "ok"], event_id=STR, type=STR, job_id=STR, attempt=INT, at_ms=INT,
         status=_nullable(INT), answer=STR, ok=BOOL, gave_up=BOOL)}),
     "Items": {"type": "array", "description": "the batch's items"},
+    "ApprovalView": _obj(
+        ["id", "job_id", "seq", "stage", "stage_index", "kind", "status", "items", "created", "deadline"],
+        id=STR, job_id=STR, seq=INT, stage=_nullable(STR), stage_index=INT, round=INT,
+        kind={"enum": ["stage", "platform"]},
+        status={"enum": ["pending", "approved", "rejected", "void"]},
+        items=_obj([], cursor={}, end_cursor={}, count=_nullable(INT)),
+        shown_output={"description": "any JSON: the output of the stage the approval shows"},
+        prompt={"description": "any JSON: what the platform asks (platform approvals)"},
+        created={**STR, "format": "date-time"}, deadline={**STR, "format": "date-time"},
+        on_timeout=_nullable({"enum": ["reject", "approve", "fail"]}),
+        approvers=_nullable({"type": "array", "items": STR}),
+        decision=_nullable(_obj(["decision", "actor", "decided_at"], decision=_nullable(STR), actor=STR,
+                                comment=_nullable(STR), decided_at={**STR, "format": "date-time"},
+                                edited_output=BOOL)),
+        links={"type": "array", "description": "pending only: signed decision links",
+               "items": _obj(["approver", "url"], approver=_nullable(STR), url=STR)}),
+    "ApprovalList": _obj(["approvals"], approvals={"type": "array", "items": _ref("ApprovalView")},
+                         next=_nullable({**STR, "description": "the next page; null on the last"})),
 }
 
 PROBLEM_TEXT = {
     400: f"malformed body: not JSON, not an object, nested deeper than {MAX_DEPTH} levels, NaN/Infinity, "
          "a number out of range, a duplicate key or a lone surrogate",
     401: "no valid bearer token (signed URLs: forged token)",
+    403: "the caller may not do this (not one of the approval's approvers)",
     404: "no such resource for this tenant",
     409: "the resource's state does not allow it (stale lease, cancelled job, conflict; on a heartbeat: "
          "run-too-long, the attempt ran past its stage's max_run and was failed)",
@@ -249,6 +275,9 @@ FLOW_RULES = (
     Rule("a target is checked by its type (connectors/)", "invalid-request", r"target"),
     Rule("a target's *_secret fields name secrets the tenant has", "invalid-request", "names the secret"),
     Rule(SOURCE_RULE.says, "invalid-request", r"source|a fetching first stage|an external source"),
+    Rule("an approval stage is not the first, has no target, does not fetch, shows an earlier stage and "
+         "names distinct approvers", "invalid-request",
+         r"approval stage|is not an earlier stage|approvers must be distinct"),
 )
 JOB_RULES = (
     Rule("an Idempotency-Key is used with one body only", "idempotency-mismatch", ""),
@@ -279,6 +308,7 @@ class Route:
     public: bool = False  # no bearer token (health, the document, signed URLs)
     tags: tuple[str, ...] = field(default=())
     rules: tuple[Rule, ...] = ()
+    html: bool = False  # a page for a person (signed decision links): text/html, also for errors
 
 
 def _path_param(name: str, schema: dict[str, Any], example: Any, description: str) -> dict[str, Any]:
@@ -296,6 +326,8 @@ FLOW = _path_param("flow_id", {"type": "string"}, "resume-screening", "a flow id
 VERSION = _path_param("version", {"type": "string"}, "1", "a flow version")
 SEQ = _path_param("seq", {"type": "integer", "minimum": 0, "maximum": 2**53}, 0, "a batch's sequence")
 TOKEN = _path_param("token", {"type": "string"}, "eyJqIjoiam9iXzAxIn0.c2ln", "the signed token")
+APPROVAL = _path_param("approval_id", {"type": "string", "maxLength": 100},
+                       "job_0190c0ffee01a2b3c4d5e6.0.1.1", "an approval id (<job_id>.<seq>.<stage>.<round>)")
 SUB = _path_param("sub_id", {"type": "string", "maxLength": 64}, "sub_0123456789abcdef",
                   "a subscription id (sub_...)")
 LIMIT = _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}, "at most this many")
@@ -417,6 +449,25 @@ ROUTES: tuple[Route, ...] = (
                               "at most this many")), tags=("webhooks",)),
     Route("get", "/v1/blobs/{token}", "A batch's items (signed URL)", {200: ("the items", "Items")},
           (401, 404, 410), params=(TOKEN,), public=True, tags=("push",)),
+    Route("get", "/v1/approvals", "The tenant's approvals in one status, newest first, paged",
+          {200: ("approvals", "ApprovalList")}, (422,),
+          params=(_query("status", {"enum": ["pending", "approved", "rejected"]}, "pending (default)"),
+                  _query("limit", {"type": "integer", "minimum": 1, "maximum": 200}, "at most this many"),
+                  _query("cursor", {"type": "string"}, "where the previous page ended, from its next link")),
+          tags=("approvals",), rules=(Rule("a cursor is one this listing made, for the same status",
+                                           "invalid-request", "^cursor"),)),
+    Route("get", "/v1/approvals/{approval_id}", "One approval, with signed decision links while pending",
+          {200: ("the approval", "ApprovalView")}, (404,), params=(APPROVAL,), tags=("approvals",)),
+    Route("post", "/v1/approvals/{approval_id}", "Decide an approval as the token's actor",
+          {200: ("decided (or the same decision again: the first record)", "ApprovalView")},
+          (*BODY, 403, 404, 409), body=DecisionRequest, params=(APPROVAL,), tags=("approvals",),
+          rules=(Rule("only an approval may replace the shown output", "invalid-request", "^output"),)),
+    Route("get", "/decide/{token}", "A signed decision link: an HTML page that shows the approval and asks",
+          {200: ("the page", None)}, (401, 404, 410), params=(TOKEN,), public=True, tags=("approvals",),
+          html=True),
+    Route("post", "/decide/{token}", "A signed decision link's form: decides once",
+          {200: ("decided", None)}, (401, 404, 409, 410, 422), params=(TOKEN,), public=True,
+          tags=("approvals",), html=True),
 )
 
 
@@ -437,6 +488,8 @@ def _operation(route: Route) -> dict[str, Any]:
                           .replace("{", "").replace("}", "").replace(".", "_").replace("-", "_")}
     if route.params:
         op["parameters"] = [copy.deepcopy(p) for p in route.params]
+    if route.html:
+        return _html_operation(route, op)
     if route.body is not None:
         name = route.body.__name__
         media: dict[str, Any] = {"schema": _ref(name)}
@@ -465,6 +518,23 @@ def _operation(route: Route) -> dict[str, Any]:
         statuses |= set(AUTH)
     for status in sorted(statuses):
         responses[str(status)] = _problem_response(status)
+    op["responses"] = responses
+    return op
+
+
+def _html_operation(route: Route, op: dict[str, Any]) -> dict[str, Any]:
+    """A page for a person: HTML answers (errors too), a form body for the POST."""
+    page = {"text/html": {"schema": STR}}
+    if route.method == "post":
+        form = _obj(["decision"], decision={"enum": ["approve", "reject"]},
+                    comment={**STR, "maxLength": 2000})
+        op["requestBody"] = {"required": True,
+                             "content": {"application/x-www-form-urlencoded": {"schema": form}}}
+    op["security"] = []
+    responses = {str(status): {"description": description, "content": page}
+                 for status, (description, _) in route.ok.items()}
+    for status in sorted(set(route.problems) | set(SERVER)):
+        responses[str(status)] = {"description": PROBLEM_TEXT[status], "content": page}
     op["responses"] = responses
     return op
 
@@ -536,7 +606,7 @@ def document() -> dict[str, Any]:
         },
         "servers": [{"url": "/"}],
         "security": [{"bearerAuth": []}],
-        "tags": [{"name": t} for t in ("health", "flows", "jobs", "control", "pull", "push")],
+        "tags": [{"name": t} for t in ("health", "flows", "jobs", "control", "pull", "push", "approvals")],
         "paths": paths,
         "components": {
             "securitySchemes": {"bearerAuth": {

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import timedelta
+from typing import Any, Literal
 
 from flask import Blueprint, g, jsonify
 from pydantic import BaseModel, ConfigDict, Field
@@ -37,6 +38,12 @@ class CompleteRequest(BaseModel):
     output: Any = None
     next_cursor: Any = ABSENT
     items: list[Any] | None = None
+    status: Literal["completed", "waiting_human"] = Field(
+        default="completed", description="waiting_human: a person must decide first; the batch waits "
+        "with an approval showing ``prompt`` and the lease is released")
+    prompt: Any = None
+    timeout_s: float | None = Field(default=None, ge=1, le=30 * 86_400,
+                                    description="waiting_human: the approval's timeout (default: max_run)")
 
 
 class FailureDetail(BaseModel):
@@ -88,6 +95,11 @@ def complete(job_id: str, seq: int):
     services = request_services()
     services.jobs.owned_spec(g.tenant, job_id)
     req = parse(CompleteRequest, json_body(), "completion")
+    if req.status == "waiting_human":
+        timeout = timedelta(seconds=req.timeout_s) if req.timeout_s else None
+        opened = services.ledger.open_platform_approval(job_id, seq, req.lease_token, req.prompt,
+                                                        timeout=timeout)
+        return jsonify({"job_id": job_id, "seq": seq, "status": "waiting_human", **opened})
     return jsonify(services.ledger.complete(job_id, seq, req.lease_token, req.output,
                                             req.next_cursor, req.items))
 

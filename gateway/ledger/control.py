@@ -67,7 +67,7 @@ class ControlOps:
 
     def pause(self, job_id: str, actor: str) -> str:
         """No new leases; batches in flight may still heartbeat, complete and fail."""
-        return self.set_status(job_id, "paused", ("running",), actor)
+        return self.set_status(job_id, "paused", ("running", "waiting_human"), actor)
 
     def hold(self, job_id: str, actor: str, reason: str) -> str:
         """Record-only recovery: nothing expires, pumps or starts a call until released."""

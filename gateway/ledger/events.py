@@ -24,8 +24,17 @@ import redis
 from gateway.errors import InvalidRequest, NotFound
 from gateway.ledger.keys import Keys
 
-#: Event types a subscription may ask for, each appended by the ledger script named.
-EVENT_TYPES = ("job.succeeded", "job.failed", "job.cancelled", "job.paused")
+#: Event types a subscription may ask for. Job events are appended by lib.lua ``save`` in whichever script
+#: changes the job's status; the others by lib.lua ``emit`` in the script that makes the change:
+#: ``batch.failed`` (fail_attempt: fail, expire, heartbeat past max_run, a rejection; a corrupt batch in
+#: lease) with data {seq, stage, attempt, error, error_type, job_status}; ``approval.requested``
+#: (complete, decide, open_approval) with {approval_id, seq, stage, stage_index, kind, deadline_ms,
+#: on_timeout, approvers, prompt}, to which the deliverer adds ``deadline`` and signed ``links``
+#: [{approver, url}]; ``approval.decided`` (decide) with {approval_id, seq, stage, stage_index, kind,
+#: decision, status, actor, comment, edited, timed_out, job_status}. Every payload also has job_id and
+#: tenant.
+EVENT_TYPES = ("job.succeeded", "job.failed", "job.cancelled", "job.paused", "batch.failed",
+               "approval.requested", "approval.decided")
 DELIVERIES_KEPT = 100  # newest delivery attempts kept per subscription
 MAX_SUBSCRIPTIONS = 50  # per tenant
 SECRET_PREFIX = "whsec_"

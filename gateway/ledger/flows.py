@@ -7,7 +7,7 @@ import json
 import re
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import redis
 from pydantic import (
@@ -83,6 +83,40 @@ class RetryPolicy(BaseModel):
     non_retryable_error_types: list[str] = Field(default_factory=list)
 
 
+MIN_APPROVAL_TIMEOUT = timedelta(seconds=1)
+MAX_APPROVAL_TIMEOUT = timedelta(days=30)
+
+
+class Approval(BaseModel):
+    """A stage where a person decides instead of a platform (docs/design.md "Approvals")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeout: timedelta = Field(ge=MIN_APPROVAL_TIMEOUT, le=MAX_APPROVAL_TIMEOUT,
+                               description="how long a batch waits for a decision (1 s .. 30 d)")
+    on_timeout: Literal["reject", "approve", "fail"] = Field(
+        default="reject", description="what the supervisor decides at the deadline: reject the batch, "
+        "approve it as shown, or fail the job")
+    approvers: list[Annotated[str, Field(min_length=1, max_length=200)]] | None = Field(
+        default=None, min_length=1, max_length=50,
+        description="who may decide (the token's actor, e.g. tenant:acme, "
+        "or a name a signed link was made for); none = anyone of the tenant")
+    show: str | None = Field(default=None, pattern=NAME,
+                             description="an earlier stage whose output the approval shows and, approved, "
+                                         "commits (default: the stage just before)")
+
+    @field_validator("approvers")
+    @classmethod
+    def _unique(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("approvers must be distinct names")
+        return value
+
+    @property
+    def timeout_ms(self) -> int:
+        return int(self.timeout.total_seconds() * 1000)
+
+
 class Stage(BaseModel):
     """One step every batch passes through, run by a platform workflow or a pull-mode worker."""
 
@@ -94,6 +128,8 @@ class Stage(BaseModel):
     fetches: bool = Field(default=False, description="this stage yields the batch's items and next cursor")
     target: dict[str, Any] | None = Field(
         default=None, description="push mode: the platform workflow batchgate triggers (connectors/)")
+    approval: Approval | None = Field(
+        default=None, description="a person decides (no target): the batch waits, holding no lease")
     idempotent: bool = Field(
         default=False, description="safe to re-run after a failure that may have had effects")
     timeout: timedelta = Field(default=timedelta(seconds=30), gt=ZERO, le=ONE_DAY,
@@ -112,6 +148,8 @@ class Stage(BaseModel):
         data = handler(self)
         if isinstance(data, dict) and self.max_run == DEFAULT_MAX_RUN:
             data.pop("max_run", None)
+        if isinstance(data, dict) and self.approval is None:
+            data.pop("approval", None)  # likewise: flows without approvals keep their hash
         return data
 
     @field_validator("target")
@@ -127,6 +165,12 @@ class Stage(BaseModel):
         if not timedelta(milliseconds=50) <= value <= timedelta(days=1):
             raise ValueError("lease must be between 0.05 s and 1 day")
         return value
+
+    @model_validator(mode="after")
+    def _approval_has_no_target(self) -> Stage:
+        if self.approval is not None and (self.target is not None or self.fetches):
+            raise ValueError("an approval stage has no target and does not fetch")
+        return self
 
     @model_validator(mode="after")
     def _max_run_covers_lease(self) -> Stage:
@@ -177,9 +221,21 @@ class FlowSpec(BaseModel):
             raise ValueError("stage names must be unique")
         if any(s.fetches for s in self.stages[1:]):
             raise ValueError("only the first stage may fetch items")
+        for i, stage in enumerate(self.stages):
+            if stage.approval is None:
+                continue
+            if i == 0:
+                raise ValueError("stages[0].approval: an approval stage needs an earlier stage to decide on")
+            show = stage.approval.show
+            if show is not None and show not in names[:i]:
+                raise ValueError(f"stages[{i}].approval.show: {show!r} is not an earlier stage")
         if self.source is not None:
             self.source = validate_source(self.source, fetch_stage=self.stages[0].fetches)
         return self
+
+    def gates(self) -> dict[int, Approval]:
+        """The approval stages by index."""
+        return {i: s.approval for i, s in enumerate(self.stages) if s.approval is not None}
 
     def content_hash(self) -> str:
         """sha256 of the canonical JSON of the definition."""

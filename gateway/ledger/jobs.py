@@ -21,7 +21,7 @@ from gateway.ledger.planner import check_batch_bound
 from gateway.ledger.progress import progress_of
 from gateway.ledger.records import loads_or_none
 
-BATCH_STATUSES = ("pending", "leased", "completed", "failed", "superseded")
+BATCH_STATUSES = ("pending", "leased", "waiting_human", "completed", "failed", "superseded")
 
 
 class JobRequest(BaseModel):
@@ -165,6 +165,9 @@ class JobService:
             "updated_ms": updated,
             "finished_ms": int(job["finished_ms"]) if job.get("finished_ms") else None,
         }
+        waiting = int(job.get("n_waiting") or 0)
+        if waiting or spec.flow.gates():  # batches waiting for a person (flows with approval stages)
+            view["batches"]["waiting_human"] = waiting
         return view | progress_of(spec, job)  # files: progress and ETA by bytes
 
     def list(self, tenant: str, query: ListQuery) -> Page:
@@ -272,6 +275,8 @@ def batch_view(spec: JobSpec, fields: dict[str, str], full: bool) -> dict[str, A
         # attempts that count against maximum_attempts (a wait for an unavailable target does not)
         "attempts_spent": int(fields.get("attempt") or 0) - int(fields.get("unspent") or 0),
     }
+    if fields.get("approval"):  # waiting for a person: GET /v1/approvals/<id>
+        view["approval_id"] = fields["approval"]
     if full:
         view["stages"] = {
             name: {"status": fields.get(f"st:{i}", "pending"),

@@ -24,6 +24,9 @@ Per job (owner: the ledger scripts; expiry: retention, see ``Ledger.apply_retent
 ``<p>:{<job>}:audit``          stream  control events (created, paused, cursor moved, ...), never capped
 ``<p>:{<job>}:events``         stream  outbox of the job's webhook events (job.succeeded, ...), appended
                                        by the script that changes the status (lib.lua save); never capped
+``<p>:{<job>}:approval:<seq>.<stage>.<round>``  hash  one approval (approvals.py), sealed with a checksum
+``<p>:{<job>}:approvals``      zset    every approval id of the job; score = created (ms)
+``<p>:{<job>}:approvals:due``  zset    pending approval ids; score = deadline (ms): the supervisor's timeouts
 ``<p>:{<job>}:planlock``       string  who is reading the source to plan the next batch, short TTL
 ``<p>:{<job>}:recover``        string  supervisor recovery claim, short TTL
 =============================  ======  =====================================================
@@ -48,6 +51,11 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
                                               MULTI; no expiry (listing drops retired jobs)
 ``<p>:jobidx:built``                  string  the index format every tenant's index was built in;
                                               absent or older: the supervisor rebuilds at start
+``<p>:approvals:{<tenant>}:<status>``  zset    the tenant's approvals in ``status`` (pending, approved,
+                                              rejected): members ``<created ms, 13 digits>:<id>``,
+                                              scored 0; written after the scripts, verified on read
+``<p>:decide:key``                    string  HMAC key of signed decision links when no signing_key
+                                              is configured (generated once, SET NX)
 ``<p>:active``                        set     job ids the supervisor watches
 ``<p>:idem:<tenant>:<sha256>``        hash    Idempotency-Key record; TTL ``idempotency_ttl``
 ``<p>:idemclaim:<tenant>:<sha256>``   string  first claim of that key (request fingerprint)
@@ -147,6 +155,17 @@ class JobKeys:
     def recover(self) -> str:
         return f"{self._base}:recover"
 
+    @property
+    def approvals(self) -> str:
+        return f"{self._base}:approvals"
+
+    @property
+    def approvals_due(self) -> str:
+        return f"{self._base}:approvals:due"
+
+    def approval(self, seq: int, stage: int, round_: int) -> str:
+        return f"{self._base}:approval:{seq}.{stage}.{round_}"
+
     def batch(self, seq: int) -> str:
         return f"{self._base}:batch:{seq}"
 
@@ -203,6 +222,13 @@ class Keys:
     def job_index_pattern(self, tenant: str) -> str:
         """SCAN pattern of every job index key of ``tenant`` (rebuild only)."""
         return f"{self.prefix}:jobidx:{{{tenant}}}:*"
+
+    def approval_index(self, tenant: str, status: str) -> str:
+        return f"{self.prefix}:approvals:{{{tenant}}}:{status}"
+
+    @property
+    def decide_key(self) -> str:
+        return f"{self.prefix}:decide:key"
 
     @property
     def active(self) -> str:

@@ -26,6 +26,7 @@ from gateway.errors import (
     SourceUnavailable,
     StaleLease,
 )
+from gateway.ledger.approvals import ApprovalOps, Approvals, gate_keys, gates_arg
 from gateway.ledger.control import ControlOps
 from gateway.ledger.jobindex import Filed, JobIndex
 from gateway.ledger.jobspec import JobSpec, RedisListView
@@ -87,7 +88,7 @@ def _iso(ms: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}Z"
 
 
-class Ledger(ControlOps):
+class Ledger(ControlOps, ApprovalOps):
     """Operations on jobs and batches; one instance per Redis client."""
 
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
@@ -100,6 +101,7 @@ class Ledger(ControlOps):
         self._specs_lock = threading.Lock()  # gunicorn threads share the cache
         # lease.lua's KEYS and fixed ARGV per (job, stages, lease_ms), built from the cached spec
         self._lease_calls: OrderedDict[tuple, tuple[JobSpec, list[str], list[Any], list[Any]]] = OrderedDict()
+        self.approvals = Approvals(self)  # approval records, decisions, the tenant's listing
         self.plan_ahead = PLAN_AHEAD
         self.spec_cache = settings.spec_cache  # specs (and lease calls) kept, least recently used dropped
         self._checked = False
@@ -311,12 +313,14 @@ class Ledger(ControlOps):
         return cached[1], cached[2], cached[3]
 
     def _stage_filter(self, spec: JobSpec, stage: str | None) -> list[int]:
-        pull = [i for i, s in enumerate(spec.flow.stages) if s.target is None]
+        pull = [i for i, s in enumerate(spec.flow.stages) if s.target is None and s.approval is None]
         if stage is None:
             return pull
         idx = spec.stage_index(stage)
         if idx is None:
             raise NotFound(f"job {spec.job_id} has no stage {stage!r}")
+        if idx not in pull and spec.flow.stages[idx].approval is not None:
+            raise Conflict(f"stage {stage!r} is an approval stage (a person decides); it cannot be leased")
         if idx not in pull:
             raise Conflict(f"stage {stage!r} is run by batchgate (push mode); it cannot be leased")
         return [idx]
@@ -454,13 +458,14 @@ class Ledger(ControlOps):
         if from_output:
             items = output["items"]
         k = self.keys.job(job_id)
+        ready = self._ready_keys(spec)
         res = self.scripts.complete(
-            keys=[k.job, k.batch(seq), k.items(seq), k.leases, k.done, k.log, *self._ready_keys(spec),
-                  k.events],
+            keys=[k.job, k.batch(seq), k.items(seq), k.leases, k.done, k.log, *ready,
+                  k.approvals, k.approvals_due, *gate_keys(self, spec, seq), k.events],
             args=[token, dumps(output), "" if next_cursor is ABSENT else dumps(next_cursor),
                   "" if items is None else dumps(items), len(items or ()), spec.stage_count,
                   self.settings.log_maxlen, spec.budget_total, spec.flow.tolerated_failure_percentage,
-                  "1" if from_output else "0", actor])
+                  "1" if from_output else "0", actor, gates_arg(spec, 9 + len(ready)), job_id, spec.tenant])
         if res[0] == "duplicate":
             stage, attempt = int(res[1]), int(res[2])
         else:
@@ -468,6 +473,8 @@ class Ledger(ControlOps):
             stage, attempt = int(res[4]), int(res[3])
             log.info("stage committed job_id=%s seq=%s stage=%s attempt=%s job_status=%s",
                      job_id, seq, stage, attempt, res[2])
+            if len(res) > 5 and res[5]:
+                self.approvals._file_opened(spec.tenant, job_id, res[5])
         return {"job_id": job_id, "seq": seq, "stage": spec.flow.stages[stage].name,
                 "attempt": attempt, "status": "committed", "duplicate": res[0] == "duplicate"}
 
@@ -579,7 +586,10 @@ class Ledger(ControlOps):
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
         planned = int(self.job_fields(job_id)["next_seq"])
+        approvals = self.r.zrange(k.approvals, 0, -1)
         return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.audit, k.events,
+                k.approvals, k.approvals_due,
+                *[k.approval(*(int(x) for x in a.split(".")[-3:])) for a in approvals],
                 *self._ready_keys(spec),
                 *[key for s in range(planned) for key in (k.batch(s), k.items(s))]]
 

@@ -11,7 +11,7 @@ from redis.commands.core import Script
 
 OPERATIONS = (
     "plan", "lease", "heartbeat", "complete", "fail", "expire", "reopen", "replan", "set_status", "selfcheck",
-    "slot", "cancel", "begin", "source_fail", "outage", "unwait", "handle",
+    "slot", "cancel", "begin", "source_fail", "outage", "unwait", "handle", "decide", "open_approval",
 )
 
 
@@ -65,6 +65,8 @@ class Scripts:
     outage: Script
     unwait: Script
     handle: Script
+    decide: Script
+    open_approval: Script
 
     @classmethod
     def register(cls, client: redis.Redis, observer: Observer | None = None) -> Scripts:

@@ -18,7 +18,6 @@ import threading
 import time
 from typing import Any
 
-
 from gateway import logs
 from gateway.errors import BatchgateError, Conflict, CorruptRecord, NotFound
 from gateway.ledger.embedded import REDIS_DOWN
@@ -148,12 +147,30 @@ class Supervisor:
             raise CorruptRecord(f"job {job_id} failed its checksum")
         if self.ledger.index.check(job_id, job):  # a status change whose index update was lost
             log.warning("supervisor: job index repaired job_id=%s status=%s", job_id, job["status"])
-        if job["status"] in TERMINAL:
+        waiting = int(job.get("n_waiting") or 0) > 0 and job["status"] != "cancelled"
+        gated = waiting or (bool(self.ledger.spec(job_id).flow.gates()) and job["status"] not in TERMINAL)
+        if job["status"] != "held" and gated:
+            self._approvals(job_id)
+            job = self.ledger.job_fields(job_id)  # a decision may have moved the job on
+            waiting = int(job.get("n_waiting") or 0) > 0 and job["status"] != "cancelled"
+        if job["status"] in TERMINAL and not waiting:
             self._retire(job_id, job["status"])
-        elif job["status"] in ("running", "paused"):  # a held job is left exactly as it is
+        elif job["status"] in ("running", "paused", "waiting_human"):  # a held job is left as it is
             self.ledger.expire_due(job_id, actor=self.name)
             if self.dispatcher is not None and job["status"] == "running":
                 self.dispatcher.pump(job_id)
+
+    def _approvals(self, job_id: str) -> None:
+        """Open approvals for batches re-opened at an approval stage, decide those past their deadline
+        (on_timeout, actor supervisor:timeout), and file pending ones the listing lost."""
+        approvals = self.ledger.approvals
+        spec = self.ledger.spec(job_id)
+        if spec.flow.gates():
+            approvals.open_ready(job_id)
+        for approval_id, outcome in approvals.apply_timeouts(job_id):
+            log.info("approval timed out approval=%s job_id=%s outcome=%s", approval_id, job_id, outcome)
+        if approvals.heal(job_id, spec.tenant):  # usually an opening whose listing write is in flight
+            log.info("supervisor: approval listing filed job_id=%s", job_id)
 
     def _retire(self, job_id: str, status: str) -> None:
         pipe = self.ledger.r.pipeline(transaction=True)  # its events stay watched by the deliverer

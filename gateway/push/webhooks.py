@@ -37,6 +37,7 @@ from typing import Any
 import requests
 
 from gateway.errors import BatchgateError
+from gateway.ledger.decisions import links_for
 from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.events import SubscriptionStore, entry_ms, event_id
 from gateway.ledger.ledger import Ledger
@@ -185,13 +186,19 @@ class Deliverer:
 
     def _body(self, job_id: str, fields: dict[str, str]) -> bytes:
         at_ms = int(fields.get("at_ms") or 0)
-        data: dict[str, Any] = {"job_id": job_id, "tenant": self.ledger.spec(job_id).tenant,
-                                "status": fields.get("status"), "from": fields.get("from"),
-                                "n_done": int(fields.get("n_done") or 0),
-                                "n_failed": int(fields.get("n_failed") or 0),
-                                "items_done": int(fields.get("items_done") or 0)}
-        if fields.get("error"):
-            data["error"] = fields["error"]
+        tenant = self.ledger.spec(job_id).tenant
+        if "data" in fields:  # batch.* and approval.* events carry their payload as JSON (lib.lua emit)
+            data = {"job_id": job_id, "tenant": tenant, **json.loads(fields["data"])}
+            if fields.get("type") == "approval.requested":
+                data.update(links_for(self.ledger, data, self.ledger.settings))
+        else:
+            data = {"job_id": job_id, "tenant": tenant,
+                    "status": fields.get("status"), "from": fields.get("from"),
+                    "n_done": int(fields.get("n_done") or 0),
+                    "n_failed": int(fields.get("n_failed") or 0),
+                    "items_done": int(fields.get("items_done") or 0)}
+            if fields.get("error"):
+                data["error"] = fields["error"]
         stamp = datetime.fromtimestamp(at_ms / 1000, UTC).isoformat().replace("+00:00", "Z")
         return json.dumps({"type": fields.get("type"), "timestamp": stamp, "data": data}).encode()
 

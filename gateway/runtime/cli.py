@@ -352,13 +352,16 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
     """Run the supervisor loop until SIGTERM/SIGINT."""
     client, settings = connect(Settings())  # NoLedgerRedis before anything else
     from gateway.ledger.ledger import Ledger
+    from gateway.push import resumer
     from gateway.push.dispatch import Dispatcher
     from gateway.push.supervisor import Supervisor
     from gateway.runtime import procs
 
     procs.tie_forks_to_this_process()  # it forks nothing itself; whatever a library forks dies with it
     ledger = Ledger(client, settings)  # run() checks it (collation) once Redis answers: it may be down now
-    supervisor = Supervisor(ledger, dispatcher=Dispatcher.build(settings, ledger))
+    dispatcher = Dispatcher.build(settings, ledger)
+    resumer.install(dispatcher)  # timeouts decided here resume their platform runs too
+    supervisor = Supervisor(ledger, dispatcher=dispatcher)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: supervisor.stop.set())
     supervisor.run()

@@ -1,13 +1,17 @@
 -- complete.lua: commit one stage of one batch, in one round trip.
 -- KEYS[1] job   KEYS[2] batch:<seq>   KEYS[3] items:<seq>   KEYS[4] leases   KEYS[5] done   KEYS[6] log
--- KEYS[7..6+S] ready:0..ready:S-1
+-- KEYS[7..6+S] ready:0..ready:S-1   KEYS[7+S] approvals   KEYS[8+S] approvals:due
+-- KEYS[9+S..] approval:<seq>.<stage>.1 for each approval stage (the gates' ``k`` index them)
 -- KEYS[#KEYS] events: the job's outbox, always the last key (lib.lua use_outbox)
 -- ARGV[1] lease token   ARGV[2] output (JSON)   ARGV[3] next cursor (JSON; '' = none given)
 -- ARGV[4] items fetched by this stage (JSON list; '' = none)   ARGV[5] item count of ARGV[4]
 -- ARGV[6] number of stages   ARGV[7] log maxlen   ARGV[8] budget total   ARGV[9] tolerated failure %
 -- ARGV[10] '1' if ARGV[4] was taken from the output's "items" (ignored unless this is the fetch stage)
--- ARGV[11] actor (for the log of a late answer)
--- Returns {'ok', next_stage (-1 = batch committed), job status, attempt, stage}
+-- ARGV[11] actor (for the log of a late answer)   ARGV[12] the flow's approval stages (JSON map stage
+-- index -> gate, lib.lua; '' = none)   ARGV[13] job id   ARGV[14] tenant
+-- A batch whose next stage is an approval stage waits there (status waiting_human) with its approval
+-- opened here, in the same step as the commit (lib.lua advance, open_approval).
+-- Returns {'ok', next_stage (-1 = batch committed), job status, attempt, stage[, approval id opened]}
 --       | {'duplicate', stage, attempt}  (the same lease already committed this stage)
 --       | {'stale', status, attempt} | {'cancelled'} | {'corrupt', why?} | {'missing'} | {'invalid', message}
 -- Invariant 1: a stage result is committed at most once. The fencing token is checked, the output
@@ -43,11 +47,14 @@ local seq = batch['seq']
 local attempt = batch['attempt']
 local stage = tonumber(batch['stage'])
 local nstages = tonumber(ARGV[6])
-local next_stage = stage + 1
+local gates = nil
+if (ARGV[12] or '') ~= '' then gates = cjson.decode(ARGV[12]) end
 local sets_cursor = ARGV[3] ~= '' and batch['end_cursor'] == ''
--- the job record changes only when the batch is committed or its fetch stage moves the frontier
+local gated = gates ~= nil and gates[tostring(stage + 1)] ~= nil
+-- the job record changes only when the batch is committed, waits for a person, or its fetch stage
+-- moves the frontier
 local job, jchg = nil, nil
-if next_stage >= nstages or sets_cursor then
+if stage + 1 >= nstages or sets_cursor or gated then
   job = load(KEYS[1])
   if not job then return {'corrupt'} end
   jchg = {updated_ms = int(now)}
@@ -66,52 +73,17 @@ if sets_cursor then
     if ARGV[3] == 'null' then jchg['exhausted'] = '1' else jchg['frontier'] = ARGV[3] end
   end
 end
-local swept = {}
-local parked = false
-if next_stage < nstages then
-  bchg['stage'] = int(next_stage)
-  bchg['status'] = 'pending'
-  bchg['attempt'] = '0'
-  bchg['unspent'] = '0'
-else
-  next_stage = -1
-  bchg['status'] = 'completed'
-  bchg['completed_ms'] = int(now)
-  local n_items = tonumber(bchg['n_items'] or batch['n_items'])
-  jchg['n_done'] = int(tonumber(job['n_done']) + 1)
-  jchg['n_open'] = int(tonumber(job['n_open']) - 1)
-  jchg['items_done'] = int(tonumber(job['items_done']) + n_items)
-  local end_cursor = bchg['end_cursor'] or batch['end_cursor']
-  if seq == job['wm'] then
-    -- advance the low watermark over this batch and any completed out of order after it
-    local wm = tonumber(seq) + 1
-    local cursor = end_cursor
-    while true do
-      local later = redis.call('HGET', KEYS[5], int(wm))
-      if not later then break end
-      swept[#swept + 1] = int(wm)
-      cursor = later
-      wm = wm + 1
-    end
-    jchg['wm'] = int(wm)
-    jchg['committed_cursor'] = cursor
-  elseif tonumber(seq) > tonumber(job['wm']) then
-    parked = end_cursor
-  end
-  finish_changes(job, jchg, now, ARGV[8], tonumber(ARGV[9]))
-  local bad = negative_counter(job, jchg)
-  if bad then return refuse_corrupt(KEYS[1], KEYS[6], ARGV[7], bad .. ' would go negative committing batch ' .. seq) end
-end
+local S = nstages
+local k = {job = KEYS[1], batch = KEYS[2], items = KEYS[3], leases = KEYS[4], done = KEYS[5],
+  log = KEYS[6], ready = {unpack(KEYS, 7, 6 + S)}, approvals = KEYS[7 + S], due = KEYS[8 + S]}
+local next_stage, write, refused = advance(k, job, batch, bchg, jchg, {now = now, stage = stage,
+  nstages = nstages, gates = gates, maxlen = ARGV[7], budget_total = ARGV[8],
+  tolerated_pct = tonumber(ARGV[9]), job_id = ARGV[13], tenant = ARGV[14]})
+if refused then return refused end
 -- writes
 redis.call('ZREM', KEYS[4], seq)
 if items ~= '' then redis.call('SET', KEYS[3], items) end
-if next_stage >= 0 then
-  redis.call('ZADD', KEYS[7 + next_stage], now, seq)
-else
-  redis.call('DEL', KEYS[3])
-  if #swept > 0 then redis.call('HDEL', KEYS[5], unpack(swept)) end
-  if parked then redis.call('HSET', KEYS[5], seq, parked) end
-end
+write()
 save(KEYS[2], batch, bchg)
 if job then save(KEYS[1], job, jchg) end
 log(KEYS[6], ARGV[7], {'event', 'stage_completed', 'seq', seq, 'stage', int(stage),
@@ -119,4 +91,6 @@ log(KEYS[6], ARGV[7], {'event', 'stage_completed', 'seq', seq, 'stage', int(stag
 -- the job's status as it is now (read, not assumed, when the job record was not loaded: a pause
 -- between lease and answer must show in the answer and the log)
 local status = job and job['status'] or redis.call('HGET', KEYS[1], 'status') or 'missing'
-return {'ok', int(next_stage), status, attempt, int(stage)}
+local reply = {'ok', int(next_stage), status, attempt, int(stage)}
+if bchg['approval'] then reply[6] = bchg['approval'] end
+return reply

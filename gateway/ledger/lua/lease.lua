@@ -49,6 +49,8 @@ for s = 1, nstages do
         if bad then return refuse_corrupt(KEYS[1], KEYS[3], ARGV[3], bad .. ' would go negative at corrupt batch ' .. seq) end
         redis.call('ZREM', ready, seq)
         redis.call('ZADD', KEYS[4], seq, seq)
+        emit('batch.failed', int(now), {seq = tonumber(seq), stage = tonumber(stage), attempt = cjson.null,
+          error = 'checksum mismatch', error_type = 'corrupt', job_status = chg['status'] or job['status']})
         save(KEYS[1], job, chg)
         log(KEYS[3], ARGV[3], {'event', 'batch_corrupt', 'seq', seq, 'error', 'checksum mismatch'})
         if job['status'] ~= 'running' then return {'status', job['status']} end

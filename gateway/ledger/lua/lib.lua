@@ -87,6 +87,14 @@ local function save(key, map, changes)
   if event then redis.call('XADD', OUTBOX, '*', unpack(event)) end
 end
 
+-- Append an event that is not a job status change (batch.failed, approval.requested, approval.decided)
+-- to the outbox, in the script whose write it reports. ``data`` is the event's payload (a table, sent
+-- as JSON by the deliverer; gateway/ledger/events.py documents each type's fields).
+local function emit(kind, at_ms, data)
+  if OUTBOX == nil then error('ledger script emitted ' .. kind .. ' without its outbox key') end
+  redis.call('XADD', OUTBOX, '*', 'type', kind, 'at_ms', at_ms, 'data', cjson.encode(data))
+end
+
 local function log(key, maxlen, fields)
   local args = {key, 'MAXLEN', '~', maxlen, '*'}
   for i = 1, #fields do args[#args + 1] = fields[i] end
@@ -125,7 +133,26 @@ end
 
 -- Statuses in which a job still decides its own end when its last open batch commits.
 local function live(status)
-  return status == 'running' or status == 'paused' or status == 'held'
+  return status == 'running' or status == 'paused' or status == 'held' or status == 'waiting_human'
+end
+
+-- Open batches waiting for a person (batch status waiting_human); absent in jobs older than approvals.
+local function n_waiting(job, changes)
+  return tonumber(changes['n_waiting'] or job['n_waiting'] or '0')
+end
+
+-- A running job whose source is exhausted and whose every open batch waits for a person is
+-- waiting_human; one that has work again (a decision advanced a batch) is running. Other statuses
+-- (paused, held, ended) are left as they are.
+local function settle_waiting(job, changes)
+  local status = changes['status'] or job['status']
+  if status ~= 'running' and status ~= 'waiting_human' then return end
+  local exhausted = (changes['exhausted'] or job['exhausted']) == '1'
+  local blocked = changes['blocked'] or job['blocked']
+  local open = tonumber(changes['n_open'] or job['n_open'])
+  local all_wait = exhausted and blocked == '' and open > 0 and n_waiting(job, changes) == open
+  local want = all_wait and 'waiting_human' or 'running'
+  if want ~= status then changes['status'] = want end
 end
 
 -- Backoff for the attempt that just failed: min(initial * coef^(attempt-1), max), equal jitter.
@@ -160,6 +187,8 @@ local function finish_changes(job, changes, now, budget_total, tolerated_pct)
     end
     changes['finished_ms'] = int(now)
     changes['held_reason'] = ''  -- a held job that ends is held no more
+  else
+    settle_waiting(job, changes)
   end
 end
 
@@ -207,7 +236,8 @@ local function fail_attempt(k, job, batch, seq, p)
   local now = p.now
   local attempt = tonumber(batch['attempt'])
   local spent = attempt - tonumber(batch['unspent'] or '0')
-  local bchg = {lease_token = '', deadline_ms = '', error = p.message}
+  local bchg = p.bchg or {}
+  bchg['lease_token'], bchg['deadline_ms'], bchg['error'] = '', '', p.message
   bchg['st:' .. stage] = 'failed'
   -- error_type (e.g. 'max_run') is kept with the error; a later failure without one clears it
   if p.error_type or batch['error_type'] then bchg['error_type'] = p.error_type or '' end
@@ -217,7 +247,8 @@ local function fail_attempt(k, job, batch, seq, p)
     bchg['handle'] = ''
     bchg['handle_stage'] = ''
   end
-  local jchg = {updated_ms = int(now)}
+  local jchg = p.jchg or {}
+  jchg['updated_ms'] = int(now)
   local outcome, ready_at
   if p.retryable and spent < p.max_attempts then
     ready_at = now + math.max(backoff_ms(spent, p.initial_ms, p.coef, p.max_ms, p.jitter),
@@ -242,6 +273,11 @@ local function fail_attempt(k, job, batch, seq, p)
     redis.call('ZADD', k.failed, seq, seq)
   end
   save(k.batch, batch, bchg)
+  if outcome == 'failed' then  -- before the job's own event it may cause (job.failed)
+    emit('batch.failed', int(now), {seq = tonumber(seq), stage = tonumber(stage), attempt = attempt,
+      error = p.message, error_type = p.error_type or cjson.null,
+      job_status = jchg['status'] or job['status']})
+  end
   save(k.job, job, jchg)
   local entry = {'event', outcome == 'retry' and 'retry_scheduled' or 'batch_failed',
     'seq', seq, 'stage', stage, 'attempt', int(attempt), 'error', p.message,
@@ -269,4 +305,111 @@ end
 
 local function max_run_message(max_run_ms)
   return 'ran past max_run (' .. string.format('%g', max_run_ms / 1000) .. ' s)'
+end
+
+-- Approvals (docs/design.md "Approvals"). A gate is an approval stage's settings as the caller passes
+-- them (JSON): {t = timeout ms, o = on_timeout, a = approvers (JSON list, '' = anyone), s = index of
+-- the stage whose output is shown ('' = none), n = stage name, k = KEYS index of the record key of
+-- round 1 of this batch at that stage}.
+
+-- An approval's id: stable for (job, seq, stage, round), so every retry of the script that opens it
+-- names the same record. Round 1 is the batch's first wait at that stage; a batch re-opened there
+-- (retry-failed after a rejection) waits again in round 2, and so on.
+local function approval_id(job_id, seq, stage, round)
+  return job_id .. '.' .. seq .. '.' .. stage .. '.' .. round
+end
+
+-- Open an approval for ``batch`` at ``stage``: computes the batch's and the job's changes into bchg and
+-- jchg and returns the function writing the record, its deadline and the approval.requested event.
+-- The batch holds no lease while it waits (callers release it), so no worker, slot or concurrency.
+-- extra: kind ('stage' | 'platform'), prompt (JSON), platform (JSON), token (lease token's sha1).
+local function open_approval(k, job, batch, bchg, jchg, p, gate, stage, round, record_key, extra)
+  local seq = batch['seq']
+  local id = approval_id(p.job_id, seq, stage, round)
+  local deadline = p.now + tonumber(gate.t)
+  local rec = {id = id, job_id = p.job_id, tenant = p.tenant, seq = seq, stage = int(stage),
+    stage_name = gate.n, kind = extra.kind or 'stage', status = 'pending', round = int(round),
+    created_ms = int(p.now), deadline_ms = int(deadline), on_timeout = gate.o, approvers = gate.a or '',
+    show = gate.s or '', prompt = extra.prompt or '', platform = extra.platform or '',
+    token = extra.token or '', decision = '', actor = '', comment = '', decided_ms = '', edited = ''}
+  bchg['status'] = 'waiting_human'
+  bchg['approval'] = id
+  bchg['ap_n:' .. stage] = int(round)
+  bchg['st:' .. stage] = 'waiting'
+  jchg['n_waiting'] = int(n_waiting(job, jchg) + 1)
+  jchg['updated_ms'] = int(p.now)
+  return function()
+    save(record_key, {}, rec)
+    redis.call('ZADD', k.approvals, p.now, id)
+    redis.call('ZADD', k.due, deadline, id)
+    local approvers = cjson.null
+    if rec.approvers ~= '' then approvers = cjson.decode(rec.approvers) end
+    local prompt = cjson.null
+    if rec.prompt ~= '' then prompt = cjson.decode(rec.prompt) end
+    emit('approval.requested', int(p.now), {approval_id = id, seq = tonumber(seq), stage = gate.n,
+      stage_index = stage, kind = rec.kind, deadline_ms = deadline, on_timeout = gate.o,
+      approvers = approvers, prompt = prompt})
+    log(k.log, p.maxlen, {'event', 'approval_requested', 'seq', seq, 'stage', int(stage),
+      'approval', id, 'deadline_ms', int(deadline)})
+  end
+end
+
+-- Move a batch on once its stage p.stage committed (bchg already holds that stage's own fields): to the
+-- next stage's ready set, to an approval when the next stage is an approval stage (p.gates), or
+-- committed for good (counters, low watermark, the job's end). Changes are computed into bchg and jchg;
+-- returns the next stage (-1 = committed), the function doing every write but the two records' saves,
+-- and a refusal reply (corrupt) or nil. ``job`` and ``jchg`` may be nil only when the next stage is an
+-- ordinary one (the record does not change between stages: complete's hot path).
+local function advance(k, job, batch, bchg, jchg, p)
+  local seq = batch['seq']
+  local next_stage = p.stage + 1
+  if next_stage < p.nstages then
+    bchg['stage'] = int(next_stage)
+    bchg['attempt'] = '0'
+    bchg['unspent'] = '0'
+    local gate = p.gates and p.gates[tostring(next_stage)]
+    -- a batch that waited at this stage before goes to its ready set: the supervisor opens its next round
+    if gate and (batch['ap_n:' .. next_stage] or '') == '' then
+      local write = open_approval(k, job, batch, bchg, jchg, p, gate, next_stage, 1, KEYS[gate.k], {})
+      settle_waiting(job, jchg)
+      return next_stage, write, nil
+    end
+    bchg['status'] = 'pending'
+    if jchg then settle_waiting(job, jchg) end
+    return next_stage, function() redis.call('ZADD', k.ready[next_stage + 1], p.now, seq) end, nil
+  end
+  bchg['status'] = 'completed'
+  bchg['completed_ms'] = int(p.now)
+  local n_items = tonumber(bchg['n_items'] or batch['n_items'])
+  jchg['n_done'] = int(tonumber(job['n_done']) + 1)
+  jchg['n_open'] = int(tonumber(job['n_open']) - 1)
+  jchg['items_done'] = int(tonumber(job['items_done']) + n_items)
+  local end_cursor = bchg['end_cursor'] or batch['end_cursor']
+  local swept, parked = {}, false
+  if seq == job['wm'] then
+    -- advance the low watermark over this batch and any completed out of order after it
+    local wm = tonumber(seq) + 1
+    local cursor = end_cursor
+    while true do
+      local later = redis.call('HGET', k.done, int(wm))
+      if not later then break end
+      swept[#swept + 1] = int(wm)
+      cursor = later
+      wm = wm + 1
+    end
+    jchg['wm'] = int(wm)
+    jchg['committed_cursor'] = cursor
+  elseif tonumber(seq) > tonumber(job['wm']) then
+    parked = end_cursor
+  end
+  finish_changes(job, jchg, p.now, p.budget_total, p.tolerated_pct)
+  local bad = negative_counter(job, jchg)
+  if bad then
+    return -1, nil, refuse_corrupt(k.job, k.log, p.maxlen, bad .. ' would go negative committing batch ' .. seq)
+  end
+  return -1, function()
+    redis.call('DEL', k.items)
+    if #swept > 0 then redis.call('HDEL', k.done, unpack(swept)) end
+    if parked then redis.call('HSET', k.done, seq, parked) end
+  end, nil
 end

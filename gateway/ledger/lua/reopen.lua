@@ -28,10 +28,12 @@ if status == 'cancelled' then return {'refused', status} end
 local now = now_ms()
 if status == 'succeeded' and mode == 'resume' then return {'refused', status} end
 if mode == 'resume' and status == 'paused' then
-  save(KEYS[1], job, {status = 'running', updated_ms = int(now)})
+  local chg = {status = 'running', updated_ms = int(now)}
+  settle_waiting(job, chg)  -- every open batch waits for a person: waiting_human
+  save(KEYS[1], job, chg)
   log(KEYS[4], ARGV[2], {'event', 'job_resumed', 'from', status, 'reopened', '0', 'actor', ARGV[3]})
   audit(KEYS[5], {'event', 'job_resumed', 'from', status, 'reopened', '0', 'actor', ARGV[3]})
-  return {'ok', '0', 'running'}
+  return {'ok', '0', job['status']}
 end
 if mode == 'retry_failed' then
   if redis.call('ZCARD', KEYS[3]) ~= tonumber(ARGV[7]) then return {'raced'} end
@@ -59,7 +61,7 @@ if status == 'succeeded' and #todo == 0 then return {'ok', '0', status} end  -- 
 local chg = {n_failed = int(n_failed), n_open = int(n_open), updated_ms = int(now)}
 -- resume always runs the job again; retry-failed only when it re-opened something, and never unpauses
 if (mode == 'resume' or #todo > 0) and (status == 'running' or status == 'failed' or status == 'held'
-    or status == 'succeeded') then
+    or status == 'succeeded' or status == 'waiting_human') then
   chg['status'] = 'running'
   chg['finished_ms'] = ''
   chg['error'] = ''
