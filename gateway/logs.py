@@ -133,7 +133,7 @@ def secret_values(settings: Any) -> list[str]:
     out: list[str] = list(settings.tokens)
     for per_tenant in settings.secrets.values():
         out += [v.get_secret_value() for v in per_tenant.values()]
-    for field in ("signing_key", "redis_url", "queue_redis_url"):
+    for field in ("signing_key", "redis_url", "queue_redis_url", "metrics_token"):
         value = getattr(settings, field, None)
         if value is not None:
             raw = value.get_secret_value()

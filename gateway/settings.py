@@ -23,7 +23,7 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 #: Settings that hold credentials: never passed to a child process in its environment (see procs.child_env).
 #: The development token's file under data_dir (mode 0600), used when BATCHGATE_TOKENS is unset.
 DEV_TOKEN_FILE = "dev-token"
-CREDENTIAL_FIELDS = ("tokens", "secrets", "signing_key", "redis_url", "queue_redis_url")
+CREDENTIAL_FIELDS = ("tokens", "secrets", "signing_key", "redis_url", "queue_redis_url", "metrics_token")
 FLAT_SECRETS = (
     "BATCHGATE_SECRETS maps tenant -> {{secret name: value}}, but these entries hold a value directly: "
     "{names} (the old flat form, where every tenant could name every secret). Give each secret to the tenant "
@@ -70,6 +70,11 @@ class Settings(BaseSettings):
         default=1024, ge=1, le=1_000_000, description="job specs each process keeps in memory "
         "(least recently used dropped; a spec is its params plus its parsed flow)")
     supervisor_interval: timedelta = timedelta(seconds=1)
+    metrics_token: SecretStr | None = Field(
+        default=None, repr=False, description="if set, GET /metrics needs Authorization: Bearer <it>")
+    metrics_port: int = Field(
+        default=0, ge=0, le=65535, description="supervisor and worker: serve their metrics on this port "
+        "(0: not served; under up they reach the API's /metrics through PROMETHEUS_MULTIPROC_DIR)")
     ready_intervals: int = Field(
         default=10, ge=1, le=10_000, description="/readyz and `batchgate health` count a supervisor or "
         "worker alive while its last beat is younger than this many supervisor intervals")

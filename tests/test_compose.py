@@ -120,6 +120,7 @@ class Stack:
         self.redis_port = free_port()
         self.api_port = free_port()
         self.procs: list[subprocess.Popen] = []
+        self.metrics_ports: dict[tuple[str, int], int] = {}
 
     def local(self, value: str) -> str:
         value = value.replace("redis://redis:6379", f"redis://127.0.0.1:{self.redis_port}")
@@ -130,6 +131,8 @@ class Stack:
         env.update({k: self.local(interpolate(str(v), {})) for k, v in
                     (SERVICES[name].get("environment") or {}).items()})
         # the image's ENV (Dockerfile) with this machine's addresses
+        if "BATCHGATE_METRICS_PORT" in env:  # one port per container there; one machine here
+            env["BATCHGATE_METRICS_PORT"] = str(self.metrics_ports.setdefault((name, replica), free_port()))
         env.update(BATCHGATE_HOST="127.0.0.1", BATCHGATE_DATA_DIR=str(self.tmp / f"{name}-{replica}-data"),
                    BATCHGATE_PORT=str(self.api_port), BATCHGATE_SUPERVISOR_INTERVAL="0.2",
                    BATCHGATE_LOG_LEVEL="WARNING", BATCHGATE_OUTBOUND_ALLOW='["127.0.0.1/32"]')
@@ -251,6 +254,15 @@ def test_the_services_run_as_written_and_a_job_runs_through_them(tmp_path):
         assert sorted(set(platform.keys)) == sorted(platform.keys) and len(platform.keys) == 3
         for proc in stack.procs:
             assert proc.poll() is None, f"{proc.args} exited {proc.returncode}"
+        # Prometheus scrapes the API and each supervisor and worker on its metrics port
+        api_metrics = requests.get(f"{base}/metrics", timeout=5).text
+        assert 'batchgate_jobs{status="succeeded"} 2.0' in api_metrics
+        workers = [requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+                   for (name, _), port in stack.metrics_ports.items() if name == "worker"]
+        assert len(workers) == SERVICES["worker"]["deploy"]["replicas"]
+        calls = sum(float(line.rsplit(" ", 1)[1]) for text in workers for line in text.splitlines()
+                    if line.startswith("batchgate_platform_calls_total{"))
+        assert calls == 3  # the push job's three calls, made by whichever worker took each batch
     finally:
         procs.stop_all(stack.procs)
         platform.server.shutdown()

@@ -40,7 +40,7 @@ LEDGER_RETRY_AFTER = timedelta(seconds=2)  # a Redis restart from its AOF takes 
 
 def create_app(settings: Settings | None = None, client: redis.Redis | None = None) -> Flask:
     """Build the WSGI app; with no client, connect as settings say (no URL: join a running `up`)."""
-    from gateway.api import approvals, callbacks, decide, flows, health, jobs, pull, subscriptions
+    from gateway.api import approvals, callbacks, decide, flows, health, jobs, metrics, pull, subscriptions
     from gateway.console import views as console
     from gateway.ledger.embedded import connect
     from gateway.push import resumer
@@ -77,7 +77,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     services.spool = CallbackSpool(settings.data_dir / "callback-spool",
                                    lambda token, body: callbacks.commit_callback(services, token, body))
     services.spool.start()  # what an earlier process spooled is committed once Redis answers
-    for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp, subscriptions.bp, approvals.bp,
+    for bp in (health.bp, metrics.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp, subscriptions.bp, approvals.bp,
                decide.bp, console.bp):
         app.register_blueprint(bp)
     if deferred_check:

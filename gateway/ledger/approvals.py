@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from gateway import metrics
 from gateway.errors import Conflict, CorruptRecord, Forbidden, InvalidRequest, JobCancelled, NotFound
 from gateway.ledger.records import dumps, intact, loads_or_none
 
@@ -299,6 +300,10 @@ class Approvals:
         if tag != "ok":
             raise CorruptRecord(f"approval {ref.id} or its job failed its checksum")
         self.file(spec.tenant, ref.id, int(rec["created_ms"]), res[1])
+        if res[1] == "rejected":  # the batch failed for good with type rejected
+            metrics.BATCHES_FAILED.labels(str(ref.stage), "rejected").inc()
+        elif res[1] == "approved":
+            metrics.BATCHES_COMMITTED.labels(str(ref.stage)).inc()
         if res[3]:
             self._file_opened(spec.tenant, ref.job_id, res[3])
         log.info("approval decided approval=%s job_id=%s seq=%s stage=%s decision=%s actor=%s job_status=%s",

@@ -16,6 +16,7 @@ from typing import Any
 import redis
 
 import chunker
+from gateway import metrics
 from gateway.errors import (
     Conflict,
     CorruptRecord,
@@ -459,6 +460,7 @@ class Ledger(ControlOps, ApprovalOps):
             items = output["items"]
         k = self.keys.job(job_id)
         ready = self._ready_keys(spec)
+        started = time.monotonic()
         res = self.scripts.complete(
             keys=[k.job, k.batch(seq), k.items(seq), k.leases, k.done, k.log, *ready,
                   k.approvals, k.approvals_due, *gate_keys(self, spec, seq), k.events],
@@ -471,6 +473,8 @@ class Ledger(ControlOps, ApprovalOps):
         else:
             self._raise_for(res, job_id, seq)
             stage, attempt = int(res[4]), int(res[3])
+            metrics.COMMIT_SECONDS.observe(time.monotonic() - started)
+            metrics.BATCHES_COMMITTED.labels(spec.flow.stages[stage].name).inc()
             log.info("stage committed job_id=%s seq=%s stage=%s attempt=%s job_status=%s",
                      job_id, seq, stage, attempt, res[2])
             if len(res) > 5 and res[5]:
@@ -496,6 +500,9 @@ class Ledger(ControlOps, ApprovalOps):
                   spec.flow.tolerated_failure_percentage, actor,
                   int(min_delay.total_seconds() * 1000) if min_delay else 0, error_type or ""])
         self._raise_for(res, job_id, seq)
+        counter = {"retry": metrics.BATCHES_RETRIED, "failed": metrics.BATCHES_FAILED}.get(res[0])
+        if counter is not None:
+            counter.labels(stage.name, metrics.error_class(error_type, retryable)).inc()
         log.info("stage failed job_id=%s seq=%s attempt=%s outcome=%s", job_id, seq, res[1], res[0])
         return {"job_id": job_id, "seq": seq, "attempt": int(res[1]), "outcome": res[0]}
 
@@ -527,6 +534,9 @@ class Ledger(ControlOps, ApprovalOps):
             if res[0] == "held":
                 break
             if res[0] in ("retry", "failed"):
+                metrics.LEASE_EXPIRIES.labels(stage.name, res[0]).inc()
+                if res[0] == "failed":
+                    metrics.BATCHES_FAILED.labels(stage.name, "lease_expired").inc()
                 log.info("lease expired job_id=%s seq=%s attempt=%s outcome=%s",
                          job_id, seq, res[1], res[0])
                 out.append((int(seq), res[0]))

@@ -51,6 +51,7 @@ from connectors.base import (
     StageCall,
     WaitingHuman,
 )
+from gateway import metrics
 from gateway.errors import BatchgateError, JobCancelled, NotFound, RunTooLong, StaleLease
 from gateway.ledger.embedded import client_for
 from gateway.ledger.flows import Stage
@@ -398,15 +399,18 @@ class Dispatcher:
 
         The URLs are checked here for a clear message; ``self.session`` checks again on each connection
         and redirect hop (a refusal there is a FATAL PlatformError from the connector)."""
-        try:
-            for url in target_urls(stage.target):
-                check_url(url, self.allow)
-            with idle_limit(stage.target.get("keepalive_idle")):  # never reuse a connection gone stale
-                return fn()
-        except UnsafeURL as exc:
-            return PlatformError(exc.detail, Retry.FATAL)
-        except PlatformError as exc:  # the connector classes it, outage included (429, 503, never sent)
-            return exc
+        with metrics.platform_call(target_id(stage.target)) as seen:
+            try:
+                for url in target_urls(stage.target):
+                    check_url(url, self.allow)
+                with idle_limit(stage.target.get("keepalive_idle")):  # never reuse a connection gone stale
+                    outcome = fn()
+            except UnsafeURL as exc:
+                outcome = PlatformError(exc.detail, Retry.FATAL)
+            except PlatformError as exc:  # the connector classes it, outage included (429, 503, never sent)
+                outcome = exc
+            seen["outcome"] = _call_outcome(outcome)
+            return outcome
 
     def _call_for(self, spec: JobSpec, stage: Stage, lease: Lease) -> StageCall:
         """The StageCall for a fresh lease (its items, cursor and input came with the lease)."""
@@ -639,3 +643,17 @@ def pump_job(job_id: str) -> None:
         dispatcher().pump(job_id)
     except BatchgateError as exc:
         log.warning("pump skipped job_id=%s: %s", job_id, exc.detail)
+
+
+def _call_outcome(outcome: Any) -> str:
+    """A platform call's outcome as a bounded label: done, accepted, running, waiting_human, outage,
+    retryable, if_idempotent, unknown or fatal."""
+    if isinstance(outcome, WaitingHuman):
+        return "waiting_human"
+    if isinstance(outcome, PlatformError):
+        if outcome.outage:
+            return "outage"
+        return outcome.retry.name.lower()
+    if isinstance(outcome, Running):
+        return "running"
+    return type(outcome).__name__.lower()

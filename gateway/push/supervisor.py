@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from gateway import logs
+from gateway import logs, metrics
 from gateway.errors import BatchgateError, Conflict, CorruptRecord, NotFound
 from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.generation import Generation
@@ -91,6 +91,8 @@ def _recover_job(ledger: Ledger, actor: str, job_id: str, crash_ms: int) -> dict
     ledger.r.xadd(k.log, entry_fields, maxlen=ledger.settings.log_maxlen, approximate=True)
     ledger.r.xadd(k.audit, entry_fields)
     entry["expired_now"] = [seq for seq, _ in expired]
+    metrics.RECOVERIES.inc()
+    metrics.RECOVERY_SECONDS.observe(max(0.0, time.time() - crash_ms / 1000))
     log.info("recovered job_id=%s expired=%s", job_id, entry["expired_now"])
     return entry
 
@@ -173,6 +175,7 @@ class Supervisor:
             log.info("supervisor: approval listing filed job_id=%s", job_id)
 
     def _retire(self, job_id: str, status: str) -> None:
+        self._count_recovered(job_id, status)
         pipe = self.ledger.r.pipeline(transaction=True)  # its events stay watched by the deliverer
         if status != "failed":
             spec = self.ledger.spec(job_id)
@@ -185,6 +188,15 @@ class Supervisor:
         pipe.execute()
         self.ledger.forget(job_id)  # this process will not look at it again: no spec kept for it
         log.info("job retired from supervision job_id=%s status=%s", job_id, status)
+
+    def _count_recovered(self, job_id: str, status: str) -> None:
+        """A job that went through a recovery ends: count how (the resume success rate's parts)."""
+        try:
+            entries = self.ledger.r.xrange(self.ledger.keys.job(job_id).audit, count=10_000)
+        except REDIS_DOWN:
+            return
+        if any(fields.get("event") == "job_recovered" for _, fields in entries):
+            metrics.RECOVERED_JOBS.labels(status).inc()
 
     def run(self) -> None:
         """Join the generation (deciding start-up recovery if this is the first process after a

@@ -36,6 +36,7 @@ from typing import Any
 
 import requests
 
+from gateway import metrics
 from gateway.errors import BatchgateError
 from gateway.ledger.decisions import links_for
 from gateway.ledger.embedded import REDIS_DOWN
@@ -172,6 +173,8 @@ class Deliverer:
         status, answer = self._post(sub, msg_id, self._body(job_id, fields))
         ok = status is not None and 200 <= status < 300
         gave_up = not ok and now - state["first_ms"] >= self.retry.give_up_after.total_seconds() * 1000
+        metrics.WEBHOOK_DELIVERIES.labels("delivered" if ok else "gave_up" if gave_up
+                                          else "unreachable" if status is None else "refused").inc()
         self.store.record_delivery(sub["id"], {
             "event_id": msg_id, "type": fields.get("type"), "job_id": job_id, "attempt": state["attempt"],
             "at_ms": now, "status": status, "answer": answer, "ok": ok, "gave_up": gave_up})

@@ -27,7 +27,7 @@ import click
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from gateway import logs
+from gateway import logs, metrics
 from gateway.ledger.embedded import DataDirInUse, NoLedgerRedis, connect
 from gateway.runtime import cli_client
 from gateway.settings import Settings
@@ -118,9 +118,12 @@ def serve(port: int | None, workers: int) -> int:
 
 
 @root.command(context_settings=CONTEXT)
-def supervisor() -> int:
+@click.option("--metrics-port", type=int, default=None,
+              help="serve this process's Prometheus metrics on this port (default BATCHGATE_METRICS_PORT; "
+                   "0: not served)")
+def supervisor(metrics_port: int | None) -> int:
     """Expire leases, recover crashed jobs, apply retention and timeouts, deliver webhooks."""
-    return _run(cmd_supervisor)
+    return _run(cmd_supervisor, metrics_port=metrics_port)
 
 
 @root.command(context_settings=CONTEXT)
@@ -128,9 +131,12 @@ def supervisor() -> int:
               help="stage calls run at once in this process (threads; default "
                    "BATCHGATE_WORKER_CONCURRENCY, 16)")
 @click.option("--burst", is_flag=True, help="exit once no job has work to start and nothing is in flight")
-def worker(concurrency: int | None, burst: bool) -> int:
+@click.option("--metrics-port", type=int, default=None,
+              help="serve this process's Prometheus metrics on this port (default BATCHGATE_METRICS_PORT; "
+                   "0: not served)")
+def worker(concurrency: int | None, burst: bool, metrics_port: int | None) -> int:
     """A push worker: calls the platforms of push-mode stages (RQ runs the polls)."""
-    return _run(cmd_worker, concurrency=concurrency, burst=burst)
+    return _run(cmd_worker, concurrency=concurrency, burst=burst, metrics_port=metrics_port)
 
 
 @root.command(context_settings=CONTEXT)
@@ -238,6 +244,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         tokens = procs.tokens_or_dev_token(settings)
         env = procs.child_env(settings, redis_url, tokens)
         env["BATCHGATE_PORT"] = str(port)
+        # every child counts into one folder; the API's /metrics adds them up (gateway/metrics.py)
+        env.setdefault(metrics.MULTIPROC_ENV,
+                       metrics.prepare_multiprocess_dir(Path(settings.data_dir).resolve() / "metrics"))
         env.setdefault("BATCHGATE_PUBLIC_URL", f"http://{host}:{port}")
         if stop.is_set():
             return 0
@@ -317,6 +326,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # `serve` can be started again right away
     # no module from the current directory in gunicorn or its workers (procs.python, gunicorn_conf)
     os.environ.update(procs.safe_path_env(dict(os.environ)))
+    if not os.environ.get(metrics.MULTIPROC_ENV):  # gunicorn's workers count into one folder (/metrics)
+        os.environ[metrics.MULTIPROC_ENV] = metrics.prepare_multiprocess_dir(
+            Path(settings.data_dir).resolve() / f"metrics-serve-{port}")
     command = [*procs.python("-m", "gunicorn"), "--config", procs.GUNICORN_CONF,
                # the access log on stdout, signed tokens cut from paths (gateway/runtime/gunicorn_log.py)
                "--access-logfile", "-", "--logger-class", "gateway.runtime.gunicorn_log.Logger",
@@ -343,6 +355,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if concurrency < 1:
         print("batchgate worker: --concurrency must be at least 1", file=sys.stderr)
         return 2
+    metrics.serve_port(getattr(args, "metrics_port", None) or settings.metrics_port)
     worker = PushWorker(dispatcher().queue, concurrency, settings.worker_grace.total_seconds(),
                         logging_level=settings.log_level.upper())
     return worker.run(burst=args.burst)
@@ -362,6 +375,7 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
     dispatcher = Dispatcher.build(settings, ledger)
     resumer.install(dispatcher)  # timeouts decided here resume their platform runs too
     supervisor = Supervisor(ledger, dispatcher=dispatcher)
+    metrics.serve_port(getattr(args, "metrics_port", None) or settings.metrics_port)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: supervisor.stop.set())
     supervisor.run()

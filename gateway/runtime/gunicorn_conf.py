@@ -155,3 +155,11 @@ def post_worker_init(worker: Any) -> None:
             graceful(sig, frame)
 
     signal.signal(signal.SIGTERM, on_term)
+
+
+def child_exit(server: Any, worker: Any) -> None:
+    """A worker is gone: its live gauges (calls in flight) stop counting in /metrics (multiprocess mode)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(worker.pid)
