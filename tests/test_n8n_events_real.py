@@ -380,21 +380,25 @@ def test_the_approval_workflow_sends_one_message_per_link(workflows):
 
 
 def request_approval(bg: Batchgate, approvers: list[str]) -> str:
-    """Start a job whose first batch waits for an approval by ``approvers``; its job id.
+    """Start a job whose one batch, once scored, waits at an approval stage for ``approvers``; its job id.
 
-    ASSUMED API (approvals are not on main as this test is written): a stage with ``approval:
-    {"approvers": [...]}`` makes batchgate request a decision before the stage runs, appending
-    ``approval.requested``. Adjust this one function to the approvals feature as it lands.
+    The flow is as the approvals feature (branch fix/approvals, not on main as this is written) declares
+    it: a pull stage, then ``{"approval": {"timeout", "approvers"}}``; committing the pull stage opens the
+    approval (complete.lua), which appends approval.requested.
     """
     flow = {"id": "n8n-approval", "version": "1", "batching": {"max_items": 2},
             "source": {"type": "sequence", "count": 2},
-            "stages": [{"name": "review", "approval": {"approvers": approvers}}]}
+            "stages": [{"name": "score"},
+                       {"name": "review", "approval": {"timeout": 3600, "approvers": approvers}}]}
     resp = bg.api.post("/v1/flows", json=flow)
     assert resp.status_code in (200, 201), resp.text
     resp = bg.api.post("/v1/jobs", json={"flow_id": "n8n-approval"})
     assert resp.status_code == 201, resp.text
     job_id = resp.json()["job_id"]
-    bg.api.post(f"/v1/jobs/{job_id}/lease")  # a pull worker asks for the batch: the approval is requested
+    env = bg.api.post(f"/v1/jobs/{job_id}/lease").json()
+    done = bg.api.post(f"/v1/jobs/{job_id}/batches/{env['seq']}/complete",
+                       json={"lease_token": env["lease_token"], "output": {"scores": {"0": 90, "1": 40}}})
+    assert done.status_code == 200, done.text
     return job_id
 
 
@@ -417,8 +421,14 @@ def test_approval_requested_reaches_the_example_workflow(batchgate, workflows):
     assert verified["valid"] is True and verified["webhook_id"] == delivered[0]["event_id"]
     event = verified["event"]
     assert event["data"]["job_id"] == job_id
-    assert [link.get("approver") for link in event["data"]["links"]] == APPROVERS
-    assert len({link["url"] for link in event["data"]["links"]}) == len(APPROVERS)  # a link per approver
+    links = event["data"]["links"]
+    assert [link.get("approver") for link in links] == APPROVERS
+    assert len({link["url"] for link in links}) == len(APPROVERS)  # a link of its own per approver
+    assert all(link["url"].startswith(batchgate.api.base + "/") for link in links)  # to batchgate
+    assert event["data"]["seq"] == 0 and event["data"]["stage"] == "review"
     assert_messages(execution, event)
+    # the link in an approver's message opens batchgate's decision page (a GET shows; only its form decides)
+    page = requests.get(node_items(execution, "Messages for approvers")[0]["link"], timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html"), page.text[:200]
     forged = post_signed(workflow.url, OTHER_SECRET, "forged", json.dumps(event).encode())
     assert forged.status_code == 401
