@@ -50,6 +50,8 @@ N8N_START = os.environ.get("BATCHGATE_TEST_N8N_START", "")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "platforms" / "n8n"
 PLACEHOLDER = "whsec_REPLACE_WITH_YOUR_SUBSCRIPTION_SECRET"
 OTHER_SECRET = "whsec_" + "QUJD" * 11  # base64 of "ABC" * 11: well formed, and not the subscription's
+CRYPTO_HINT = ("; a 500 'Error in workflow' on every delivery: is n8n started with "
+               "NODE_FUNCTION_ALLOW_BUILTIN=crypto? (the Verify signature node requires it)")
 FAST = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=1))
 
 
@@ -283,7 +285,7 @@ def test_job_succeeded_reaches_the_example_workflow_signed_once(batchgate, workf
         d for d in batchgate.deliveries(sub["id"]) if d["job_id"] == job_id])
     # the first attempt is accepted: the workflow verified batchgate's signature (else 401, and a retry)
     assert [(d["type"], d["attempt"], d["status"], d["ok"]) for d in delivered] == [
-        ("job.succeeded", 1, 204, True)], delivered
+        ("job.succeeded", 1, 204, True)], f"{delivered}{CRYPTO_HINT}"
     event_id = delivered[0]["event_id"]
 
     [first] = workflow.wait_executions(1)
@@ -415,7 +417,7 @@ def test_approval_requested_reaches_the_example_workflow(batchgate, workflows):
     delivered = wait_for("an approval.requested delivery", lambda: [
         d for d in batchgate.deliveries(sub["id"]) if d["job_id"] == job_id])
     assert [(d["type"], d["attempt"], d["status"]) for d in delivered] == [
-        ("approval.requested", 1, 204)], delivered
+        ("approval.requested", 1, 204)], f"{delivered}{CRYPTO_HINT}"
     [execution] = workflow.wait_executions(1)
     [verified] = node_items(execution, "Verify signature")
     assert verified["valid"] is True and verified["webhook_id"] == delivered[0]["event_id"]
