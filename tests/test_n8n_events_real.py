@@ -35,7 +35,7 @@ import pytest
 import requests
 
 from gateway.api.app import create_app
-from gateway.ledger.events import EVENT_TYPES
+from gateway.ledger.events import EVENT_TYPES, new_secret
 from gateway.ledger.ledger import Ledger
 from gateway.push.supervisor import Supervisor
 from gateway.push.webhooks import Deliverer, RetryPolicy, sign
@@ -358,8 +358,6 @@ def test_the_approval_workflow_sends_one_message_per_link(workflows):
     (gateway.push.webhooks.sign): one message per approver, each with its own link; a repeat of the same
     webhook-id and a forged signature make no message. Runs before batchgate has approval events: the
     contract it checks is the one the workflow is written against."""
-    from gateway.ledger.events import new_secret
-
     secret = new_secret()
     workflow = workflows("on-approval-requested.json", secret)
     links = [{"approver": a, "url": f"http://127.0.0.1:8080/approve/tok-{i}"}
