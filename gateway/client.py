@@ -332,6 +332,44 @@ class Client:
         return self.call("POST", f"/v1/jobs/{_q(job_id)}/batches/{int(seq)}/fail",
                          {"lease_token": lease_token, "error": error})
 
+    # approvals
+    def approvals_page(self, status: str = "pending", limit: int | None = None,
+                       cursor_path: str | None = None) -> Page:
+        """One page of the tenant's approvals (pending, approved or rejected), newest first."""
+        if cursor_path:
+            data = self.call("GET", cursor_path)
+        else:
+            data = self.call("GET", "/v1/approvals", params={"status": status, "limit": limit})
+        return Page(data["approvals"], data.get("next"))
+
+    def approvals(self, status: str = "pending") -> Iterator[dict[str, Any]]:
+        page = self.approvals_page(status)
+        while True:
+            yield from page.items
+            if not page.next:
+                return
+            page = self.approvals_page(cursor_path=page.next)
+
+    def approval(self, approval_id: str) -> dict[str, Any]:
+        """One approval: the batch, the shown output, the prompt, deadline, approvers, decision, links."""
+        return self.call("GET", f"/v1/approvals/{_q(approval_id)}")
+
+    def approve(self, approval_id: str, comment: str | None = None, output: Any = None) -> dict[str, Any]:
+        """Approve (``output`` replaces the shown output); the same decision again returns the first."""
+        body: dict[str, Any] = {"decision": "approve"}
+        if comment:
+            body["comment"] = comment
+        if output is not None:
+            body["output"] = output
+        return self.call("POST", f"/v1/approvals/{_q(approval_id)}", body)
+
+    def reject(self, approval_id: str, comment: str | None = None) -> dict[str, Any]:
+        """Reject: the batch fails with type ``rejected`` (the failure budget decides the job)."""
+        body: dict[str, Any] = {"decision": "reject"}
+        if comment:
+            body["comment"] = comment
+        return self.call("POST", f"/v1/approvals/{_q(approval_id)}", body)
+
     # event webhooks
     def subscribe(self, url: str, events: list[str]) -> dict[str, Any]:
         """201: the subscription with its signing ``secret`` (shown only this once)."""

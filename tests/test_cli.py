@@ -190,3 +190,30 @@ def test_docs_cli_md_shows_every_commands_help_as_it_is():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert (root / "docs" / "cli.md").read_text() == module.render(), "run: python scripts/cli_docs.py"
+
+
+def test_approvals_from_the_command_line(cli, api):
+    """A batch waits at an approval stage; `approvals list/show/approve/reject` decide it (issue 16/17)."""
+    api.post("/v1/flows", json={"id": "ap", "version": "1", "batching": {"max_items": 2},
+                                "source": {"type": "sequence", "count": 4}, "tolerated_failure_percentage": 50,
+                                "stages": [{"name": "score"}, {"name": "review", "approval": {"timeout": 3600}},
+                                           {"name": "store"}]})
+    job_id = api.post("/v1/jobs", json={"flow_id": "ap"}).json()["job_id"]
+    for _ in range(2):
+        lease = api.post(f"/v1/jobs/{job_id}/lease").json()
+        api.post(f"/v1/jobs/{job_id}/batches/{lease['seq']}/complete",
+                 json={"lease_token": lease["lease_token"], "output": {"score": lease["seq"]}})
+    code, out, _ = cli("approvals", "list")
+    ids = [line.split()[0] for line in out.splitlines()]
+    assert code == 0 and len(ids) == 2 and all(job_id in line for line in out.splitlines())
+    code, out, _ = cli("approvals", "show", ids[0])
+    assert code == 0 and '"status": "pending"' in out
+    code, out, _ = cli("approvals", "approve", ids[0], "--comment", "fine", "--output", '{"score": 99}')
+    assert code == 0 and '"status": "approved"' in out
+    code, out, err = cli("approvals", "reject", ids[0])  # a decision never changes
+    assert code == 1 and "409" in err
+    assert cli("approvals", "reject", ids[1], "--comment", "no")[0] == 0
+    code, out, err = cli("approvals", "list")
+    assert out == "" and "no pending approvals" in err
+    lease = api.post(f"/v1/jobs/{job_id}/lease").json()  # the approved batch goes on, with the edit
+    assert lease["stage"] == "store" and lease["input"] == {"score": 99}

@@ -311,6 +311,63 @@ def jobs_migrate(client: Client, job_id: str, flow_version: str, reason: str) ->
     return 0
 
 
+# -- approvals -------------------------------------------------------------------------------------
+
+@click.group(context_settings=CONTEXT)
+def approvals() -> None:
+    """Batches waiting for a person: list, show, approve, reject."""
+
+
+@http_command(approvals, "list")
+@click.option("--status", type=click.Choice(["pending", "approved", "rejected"]), default="pending",
+              show_default=True)
+@click.option("--all", "all_pages", is_flag=True, help="follow every page")
+def approvals_list(client: Client, status: str, all_pages: bool) -> int:
+    """Your tenant's approvals, newest first: id, job, batch, stage, deadline."""
+    page = client.approvals_page(status)
+    shown = 0
+    while True:
+        for a in page.items:
+            click.echo(f"{a['id']}  {a['status']:<9} job {a['job_id']} batch #{a['seq']} stage {a['stage']}"
+                       f"  deadline {a.get('deadline') or '-'}")
+            shown += 1
+        if not page.next or not all_pages:
+            if page.next:
+                click.echo(f"(more: --all, or GET {page.next})", err=True)
+            break
+        page = client.approvals_page(cursor_path=page.next)
+    if not shown:
+        click.echo(f"no {status} approvals", err=True)
+    return 0
+
+
+@http_command(approvals, "show")
+@click.argument("approval_id")
+def approvals_show(client: Client, approval_id: str) -> int:
+    """One approval as JSON: the batch, the output shown for review, prompt, approvers, decision."""
+    print_json(client.approval(approval_id))
+    return 0
+
+
+@http_command(approvals, "approve")
+@click.argument("approval_id")
+@click.option("--comment", default=None, help="kept with the decision")
+@click.option("--output", default=None, metavar="JSON|@FILE", help="an edited output that replaces the shown one")
+def approvals_approve(client: Client, approval_id: str, comment: str | None, output: str | None) -> int:
+    """Approve: the stage commits (the edited output if given) and the batch goes on."""
+    print_json(client.approve(approval_id, comment, json_or_file(output, "--output")))
+    return 0
+
+
+@http_command(approvals, "reject")
+@click.argument("approval_id")
+@click.option("--comment", default=None, help="kept with the decision")
+def approvals_reject(client: Client, approval_id: str, comment: str | None) -> int:
+    """Reject: the batch fails with type rejected; the failure budget decides the job."""
+    print_json(client.reject(approval_id, comment))
+    return 0
+
+
 # -- progress --------------------------------------------------------------------------------------
 
 class ProgressBar:
@@ -385,3 +442,4 @@ def _postfix(job: dict[str, Any], unit: str | None = None) -> str:
 def register(root: click.Group) -> None:
     root.add_command(flows)
     root.add_command(jobs)
+    root.add_command(approvals)
