@@ -14,7 +14,7 @@ from flask import Flask, Response, g, jsonify, request
 from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
-from gateway import logs
+from gateway import logs, tracing
 from gateway.api.common import Services, request_services, require_json_type
 from gateway.api.idempotency import IdempotencyStore
 from gateway.api.spool import CallbackSpool
@@ -82,6 +82,10 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         app.register_blueprint(bp)
     if deferred_check:
         app.before_request(ledger.check_digest_agreement)  # a no-op once it has passed
+    if tracing.setup("batchgate-api"):  # OTEL_* configured and the otel extra installed
+        app.before_request(_start_trace)
+        app.after_request(_note_status)
+        app.teardown_request(_end_trace)
     app.before_request(_authenticate)
     app.before_request(_bind_log_context)
     app.teardown_request(_unbind_log_context)
@@ -92,6 +96,22 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     app.after_request(_no_content_no_type)
     _register_errors(app)
     return app
+
+
+def _start_trace() -> None:
+    """A server span per request, named by its route (never its path: it may hold a signed token)."""
+    route = request.url_rule.rule if request.url_rule is not None else "unmatched"
+    g.trace_span = tracing.start_server_span(f"HTTP {request.method} {route}", request.headers)
+
+
+def _note_status(resp: Response) -> Response:
+    g.trace_status = resp.status_code
+    return resp
+
+
+def _end_trace(exc: BaseException | None = None) -> None:
+    started = g.pop("trace_span", None)
+    tracing.end_span(started, 500 if exc is not None else getattr(g, "trace_status", None))
 
 
 def _bind_log_context() -> None:

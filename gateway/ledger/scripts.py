@@ -9,6 +9,8 @@ from typing import Any, Protocol
 import redis
 from redis.commands.core import Script
 
+from gateway import tracing
+
 OPERATIONS = (
     "plan", "lease", "heartbeat", "complete", "fail", "expire", "reopen", "replan", "set_status", "selfcheck",
     "slot", "cancel", "begin", "source_fail", "outage", "unwait", "handle", "decide", "open_approval",
@@ -75,4 +77,21 @@ class Scripts:
         made = {name: client.register_script(source(name)) for name in OPERATIONS}
         if observer is not None:
             made = {name: Observed(script, observer) for name, script in made.items()}
-        return cls(**made)
+        return cls(**{name: Traced(name, script) for name, script in made.items()})
+
+
+class Traced:
+    """A script whose runs are spans (``ledger.<operation>``) when tracing is on (gateway/tracing.py)."""
+
+    def __init__(self, name: str, script: Any) -> None:
+        self.name = f"ledger.{name}"
+        self.script = script
+
+    def __call__(self, keys: list | tuple = (), args: list | tuple = (), client: Any = None) -> Any:
+        if not tracing.enabled():
+            return self.script(keys=keys, args=args, client=client)
+        with tracing.span(self.name, kind="client", **{"db.system": "redis"}):
+            return self.script(keys=keys, args=args, client=client)
+
+    def __getattr__(self, attr: str) -> Any:  # sha, script text, ... of the wrapped script
+        return getattr(self.script, attr)

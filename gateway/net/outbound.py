@@ -39,6 +39,7 @@ from urllib3.util.connection import _set_socket_options
 from urllib3.util.timeout import _DEFAULT_TIMEOUT
 
 from connectors.transport import undelivered_mark
+from gateway import tracing
 from gateway.net.keepalive import IdleLimitPoolMixin, ProvenDeliveryMixin, fresh_connections, replayable
 from gateway.net.urlguard import Allowlist, UnsafeURL, checked_addresses, normal_host
 from gateway.security import SIGNED_URL_PATHS
@@ -136,6 +137,7 @@ class GuardedAdapter(HTTPAdapter):
              verify: Any = True, cert: Any = None, proxies: Any = None) -> requests.Response:
         """Send without any proxy (a proxy would connect where the guard cannot see); a request a reused
         connection provably did not deliver (gateway.net.keepalive) goes once more on a new connection."""
+        tracing.inject(request.headers)  # W3C traceparent of the current span, when tracing is on
         try:
             try:
                 return super().send(request, stream=stream, timeout=timeout, verify=verify, cert=cert,

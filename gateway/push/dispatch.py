@@ -51,7 +51,7 @@ from connectors.base import (
     StageCall,
     WaitingHuman,
 )
-from gateway import metrics
+from gateway import metrics, tracing
 from gateway.errors import BatchgateError, JobCancelled, NotFound, RunTooLong, StaleLease
 from gateway.ledger.embedded import client_for
 from gateway.ledger.flows import Stage
@@ -399,7 +399,9 @@ class Dispatcher:
 
         The URLs are checked here for a clear message; ``self.session`` checks again on each connection
         and redirect hop (a refusal there is a FATAL PlatformError from the connector)."""
-        with metrics.platform_call(target_id(stage.target)) as seen:
+        with metrics.platform_call(target_id(stage.target)) as seen, tracing.span(
+                "platform.call", kind="client", **{"batchgate.target": target_id(stage.target),
+                                                   "batchgate.stage": stage.name}) as traced:
             try:
                 for url in target_urls(stage.target):
                     check_url(url, self.allow)
@@ -410,6 +412,8 @@ class Dispatcher:
             except PlatformError as exc:  # the connector classes it, outage included (429, 503, never sent)
                 outcome = exc
             seen["outcome"] = _call_outcome(outcome)
+            if traced is not None:
+                traced.set_attribute("batchgate.outcome", seen["outcome"])
             return outcome
 
     def _call_for(self, spec: JobSpec, stage: Stage, lease: Lease) -> StageCall:

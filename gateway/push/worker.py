@@ -57,7 +57,7 @@ from rq.logutils import setup_loghandlers
 from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 
-from gateway import logs
+from gateway import logs, tracing
 from gateway.errors import BatchgateError, CorruptRecord, NotFound
 from gateway.ledger.liveness import Liveness
 from gateway.push import dispatch
@@ -196,7 +196,10 @@ class PushWorker:
                 d = dispatch.dispatcher()
                 spec = d.ledger.spec(job_id)
                 with logs.bind(job_id=job_id, seq=lease.seq, stage=lease.stage, attempt=lease.attempt,
-                               tenant=spec.tenant):
+                               tenant=spec.tenant), tracing.span(
+                        f"stage {lease.stage}", **{"batchgate.job_id": job_id, "batchgate.seq": lease.seq,
+                                                   "batchgate.stage": lease.stage,
+                                                   "batchgate.attempt": lease.attempt}):
                     d.run_leased(spec, lease)
             except BaseException:  # noqa: BLE001 - one call's failure must not stop the thread
                 log.exception("stage call failed in the worker job_id=%s seq=%s", job_id, lease.seq)

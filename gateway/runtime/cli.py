@@ -27,7 +27,7 @@ import click
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from gateway import logs, metrics
+from gateway import logs, metrics, tracing
 from gateway.ledger.embedded import DataDirInUse, NoLedgerRedis, connect
 from gateway.runtime import cli_client
 from gateway.settings import Settings
@@ -356,6 +356,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print("batchgate worker: --concurrency must be at least 1", file=sys.stderr)
         return 2
     metrics.serve_port(getattr(args, "metrics_port", None) or settings.metrics_port)
+    tracing.setup("batchgate-worker")
     worker = PushWorker(dispatcher().queue, concurrency, settings.worker_grace.total_seconds(),
                         logging_level=settings.log_level.upper())
     return worker.run(burst=args.burst)
@@ -375,6 +376,7 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
     dispatcher = Dispatcher.build(settings, ledger)
     resumer.install(dispatcher)  # timeouts decided here resume their platform runs too
     supervisor = Supervisor(ledger, dispatcher=dispatcher)
+    tracing.setup("batchgate-supervisor")
     metrics.serve_port(getattr(args, "metrics_port", None) or settings.metrics_port)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: supervisor.stop.set())
