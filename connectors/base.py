@@ -20,6 +20,12 @@ platform's own ids (execution id, run id, debug_url, log id) in ``platform_ids``
 ``poll(call, handle, session)`` accepts, so the gateway can learn the outcome by polling instead of running
 the flow again.
 
+A run that stops to wait for a person raises :class:`WaitingHuman` (a FATAL ``waiting_human``
+``PlatformError``): its ``resume`` is a JSON handle that ``Connector.resume(call, handle, decision, session)``
+takes once a person decided (:class:`Decision`), or None with ``how`` saying where a person answers it.
+``resume`` returns the same outcomes as ``trigger``/``poll`` (docs/connectors-failure-modes.md, "Resuming a
+run that waits for a person").
+
 Long calls show life through ``StageCall.on_progress`` (a Dify event stream calls it on every event, ping
 included, at most once a second), where the gateway heartbeats the lease.
 """
@@ -90,6 +96,40 @@ class PlatformError(Exception):
         """Whether the gateway may try again, given the stage's idempotency."""
         return self.retry is Retry.RETRYABLE or (
             self.retry in (Retry.IF_IDEMPOTENT, Retry.UNKNOWN) and stage_idempotent)
+
+
+class WaitingHuman(PlatformError):
+    """A run stopped to wait for a person (FATAL ``waiting_human`` unless someone resumes it).
+
+    ``resume`` is the JSON-serialisable handle ``Connector.resume`` takes (``platform`` names the connector;
+    ``execution_id``/``workflow_run_id``/``execute_id`` lets ``poll`` watch the run), or None when the
+    platform's API cannot resume this wait; ``how`` then says where a person answers it (always set).
+    """
+
+    def __init__(self, message: str, *, prompt: str | None, resume: dict[str, Any] | None, how: str,
+                 platform_ids: dict[str, str] | None = None, watch: dict[str, Any] | None = None) -> None:
+        super().__init__(message, Retry.FATAL, code=WAITING_HUMAN, platform_ids=platform_ids, prompt=prompt)
+        self.resume = resume
+        self.how = how
+        #: the handle ``poll`` takes to watch this run (the gateway keeps it, so the batch's next attempt
+        #: asks the run for its outcome instead of starting the flow again); None when the run has no id
+        self.watch = watch
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a person decided about a waiting run, as ``Connector.resume`` passes it on."""
+
+    approved: bool
+    comment: str | None = None
+    #: the person's answer or edited output (form values, a question's answer); None: nothing given
+    output: Any = None
+    #: who decided (shown to the platform where it keeps a submitter)
+    actor: str | None = None
+
+    @property
+    def word(self) -> str:
+        return "approve" if self.approved else "reject"
 
 
 @dataclass(frozen=True)
@@ -196,6 +236,13 @@ class Connector(Protocol):
     def trigger(self, call: StageCall, session: requests.Session) -> Outcome: ...
 
     def poll(self, call: StageCall, handle: dict[str, Any], session: requests.Session) -> Outcome: ...
+
+
+class Resumable(Protocol):
+    """A connector that can resume a run waiting for a person (n8n, Dify, Coze)."""
+
+    def resume(self, call: StageCall, handle: dict[str, Any], decision: Decision,
+               session: requests.Session) -> Outcome: ...
 
 
 def signed_headers(call: StageCall, body: bytes, now: float | None = None) -> dict[str, str]:

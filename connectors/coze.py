@@ -3,7 +3,7 @@
 Target::
 
     {"type": "coze", "base_url": "https://api.coze.com", "token_secret": "<secret name>",
-     "workflow_id": "<id>", "mode": "sync" | "async", "studio": false,
+     "workflow_id": "<id>", "mode": "sync" | "async" | "stream", "studio": false,
      "parameters": {"<variable>": "<envelope path>"}?, "bot_id"?, "app_id"?, "workflow_version"?}
 
 Without ``parameters`` the workflow gets one parameter, ``batchgate``: the envelope as a JSON string. Coze
@@ -18,22 +18,27 @@ A nonzero code that shows a run was created (an ``execute_id``, or a ``debug_url
 run goes on: also ``UNKNOWN``. Outputs are unwrapped by Coze's own rules (coze.com run history's
 ``{"Output": ...}`` whatever other keys ride along; a text-answer End node's ``{"content_type", "data",
 "type_for_model"}``); a history record with ``is_output_trimmed`` is ``output_trimmed``, never committed; a
-question/input node (6039, ``interrupt_data``, ``<UNSET>``) is ``waiting_human``.
+question/input node (6039, ``interrupt_data``, ``<UNSET>``) is ``waiting_human``. ``stream`` runs through
+``/v1/workflow/stream_run``: the only mode whose interrupts name the event that a decision resumes
+(connectors/coze_stream.py).
 docs/connectors-failure-modes.md lists every failure and its class, with the sources.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 import requests
 
+from connectors import coze_stream
 from connectors.base import (
     WAITING_HUMAN,
     Answer,
+    Decision,
     Done,
     Outcome,
     PlatformError,
@@ -53,9 +58,9 @@ from connectors.transport import (
     dig,
     ids,
     json_body,
+    output_trimmed,
     parse_json_text,
     require_secret,
-    output_trimmed,
     send,
     waiting_for_person,
 )
@@ -126,7 +131,7 @@ def validate_target(target: dict[str, Any]) -> dict[str, Any]:
     check.api_base("base_url", "https://api.coze.com")
     check.secret_name("token_secret", required=True, what="Coze access token")
     check.string("workflow_id", required=True)
-    check.choice("mode", ("sync", "async"), "sync")
+    check.choice("mode", ("sync", "async", "stream"), "sync")
     check.flag("studio", False)
     check.mapping("parameters")
     if check.string("bot_id") and check.string("app_id"):
@@ -156,6 +161,8 @@ class CozeConnector:
         payload.update({k: target[k] for k in ("bot_id", "app_id") if target.get(k)})
         if target.get("workflow_version"):
             payload[_version_field(target)] = target["workflow_version"]
+        if target["mode"] == "stream":
+            return _stream_run(call, session, target, payload)
         resp = send(call, session, "POST", f"{target['base_url']}/v1/workflow/run", platform=PLATFORM,
                     payload=payload, auth=_auth(call))
         body, pids = _checked_body(resp, call)
@@ -165,6 +172,13 @@ class CozeConnector:
             raise PlatformError("coze accepted the async run without an execute_id", Retry.FATAL,
                                 platform_ids=pids)
         return Running({"execute_id": pids["execute_id"]}, pids)
+
+    def resume(self, call: StageCall, handle: dict[str, Any], decision: Decision,
+               session: requests.Session) -> Outcome:
+        """Answer an interrupted streaming run's question, then read its stream (``coze_stream.resume``)."""
+        target = checked(validate_target, call.target)
+        return coze_stream.resume(call, handle, decision, session, target["base_url"], _auth(call),
+                                  _stream_answer, _checked_body, self.poll)
 
     def poll(self, call: StageCall, handle: dict[str, Any], session: requests.Session) -> Outcome:
         """Read an async run's history: Running, Success -> Done, Fail -> IF_IDEMPOTENT error."""
@@ -187,6 +201,23 @@ def _auth(call: StageCall) -> dict[str, str]:
     return {"Authorization": f"Bearer {require_secret(call, 'token_secret', PLATFORM)}"}
 
 
+def _stream_run(call: StageCall, session: requests.Session, target: dict[str, Any],
+                payload: dict[str, Any]) -> Outcome:
+    """Run the workflow streaming its events (``coze_stream.read``); an error answers as JSON."""
+    payload = {k: v for k, v in payload.items() if k != "is_async"}
+    resp = send(call, session, "POST", f"{target['base_url']}/v1/workflow/stream_run", platform=PLATFORM,
+                payload=payload, auth=_auth(call), stream=True)
+    with closing(resp):
+        if resp.ok and "json" not in resp.headers.get("Content-Type", ""):
+            return coze_stream.read(resp, call, _stream_answer)
+        _, pids = _checked_body(resp, call)
+    raise PlatformError("coze answered a stream_run without an event stream", Retry.FATAL, platform_ids=pids)
+
+
+def _stream_answer(content: Any, pids: dict[str, str]) -> Answer:
+    return _answer(content, pids, envelope=True)
+
+
 def _history_url(target: dict[str, Any], execute_id: str) -> str:
     base, workflow_id = target["base_url"], target["workflow_id"]
     if target["studio"]:
@@ -201,7 +232,7 @@ def _sync_outcome(body: dict[str, Any], call: StageCall, pids: dict[str, str]) -
     if body.get("interrupt_data") or data in (None, ""):
         run = f"coze run {pids['execute_id']}" if pids.get("execute_id") else "the coze run"
         raise waiting_for_person(f"{run} stopped at {QUESTION_NODE}", call, platform_ids=pids,
-                                 hint=WAITING_HINT)
+                                 hint=WAITING_HINT, how=coze_stream.NO_EVENT_HOW)
     return Done(_answer(data, pids, envelope=True), pids)
 
 
@@ -317,7 +348,7 @@ def _record_outcome(record: dict[str, Any], handle: dict[str, Any], call: StageC
     if status == "<UNSET>":
         # Coze Studio prints an interrupted run's status 5, outside its thrift enum, as "<UNSET>"
         raise waiting_for_person(f"{name} is interrupted (execute_status <UNSET>) at {QUESTION_NODE}",
-                                 call, platform_ids=pids, hint=WAITING_HINT)
+                                 call, platform_ids=pids, hint=WAITING_HINT, how=coze_stream.NO_EVENT_HOW)
     raise PlatformError(f"{name} has execute_status {clip(status)!r}, which batchgate does not handle",
                         Retry.FATAL, platform_ids=pids)
 

@@ -37,7 +37,19 @@ from urllib.parse import quote
 import requests
 import urllib3
 
-from connectors.base import Done, Outcome, PlatformError, Retry, Running, StageCall, map_fields
+from connectors import dify_waits
+from connectors.base import (
+    Decision,
+    Done,
+    Outcome,
+    PlatformError,
+    Retry,
+    Running,
+    StageCall,
+    WaitingHuman,
+    map_fields,
+)
+from connectors.sse import lines as _lines
 from connectors.targets import TargetChecker, checked
 from connectors.transport import (
     Progress,
@@ -75,7 +87,6 @@ CODE_HINTS = {
 }
 WAITING_HINT = (": the run stays paused in Dify until a person answers it there (that answer does not reach "
                 "batchgate); remove the human-input node from the app to run it through batchgate")
-READ_SIZE = 8192
 
 
 @dataclass(frozen=True)
@@ -149,6 +160,33 @@ class DifyConnector:
                 return _read_stream(resp, call)
             return _blocking_outcome(resp, call)
 
+    def resume(self, call: StageCall, handle: dict[str, Any], decision: Decision,
+               session: requests.Session) -> Outcome:
+        """Submit the human-input form of a paused run, then follow the run (``dify_waits``).
+
+        A submission Dify took: the run's event stream to ``workflow_finished``. Refused (412: submitted
+        already, or expired), failed (5xx) or unanswered: the run's own state decides; still paused at the
+        form after a lost answer or a 5xx is RETRYABLE, after a 4xx FATAL.
+        """
+        target = checked(validate_target, call.target)
+        run_id = str(handle.get("workflow_run_id") or "")
+        pids = ids(workflow_run_id=run_id, task_id=handle.get("task_id"))
+        resp = dify_waits.submit(call, session, target["base_url"], _auth(call), handle, decision)
+        if resp is not None and resp.ok:
+            return _follow_events(call, session, target, handle, pids)
+        if resp is not None and resp.status_code != 412 and resp.status_code < 500:
+            raise _http_error(resp, json_body(resp), call, pids)
+        try:
+            return self.poll(call, {"run_id": run_id}, session)
+        except WaitingHuman:
+            if resp is None or resp.status_code >= 500:
+                what = "no answer" if resp is None else f"HTTP {resp.status_code}"
+                raise PlatformError(f"dify did not confirm the form submission ({what}) and run {run_id} is "
+                                    f"still paused: submit it again", Retry.RETRYABLE,
+                                    platform_ids=pids) from None
+            raise _http_error(resp, json_body(resp), call, pids, retry=Retry.FATAL,
+                              hint=f" (run {run_id} stays paused: its form expired)") from None
+
     def poll(self, call: StageCall, handle: dict[str, Any], session: requests.Session) -> Outcome:
         """Read a run's status: succeeded -> Done, running/paused -> Running, failed/stopped -> error."""
         target = checked(validate_target, call.target)
@@ -194,7 +232,7 @@ def _run_outcome(data: Any, pids: dict[str, str], call: StageCall) -> Outcome:
         raise PlatformError(f"dify run {run_id} was stopped", Retry.FATAL, platform_ids=pids)
     if status in UNVERIFIED.paused_statuses:
         raise waiting_for_person(f"dify run {run_id} is {status} at a human-input node", call,
-                                 platform_ids=pids, hint=WAITING_HINT)
+                                 platform_ids=pids, hint=WAITING_HINT, how=dify_waits.NO_FORM_HOW)
     if status in UNVERIFIED.running_statuses:
         if not run_id:
             raise PlatformError(f"dify run is {status} but gave no workflow_run_id to poll", Retry.FATAL,
@@ -217,13 +255,25 @@ def code_retry(code: Any) -> Retry | None:
     return None
 
 
+def _follow_events(call: StageCall, session: requests.Session, target: dict[str, Any],
+                   handle: dict[str, Any], pids: dict[str, str]) -> Outcome:
+    """Read a resumed run's events to its end; without that endpoint (an older Dify), poll the run."""
+    resp = send(call, session, "GET", dify_waits.events_url(target["base_url"], handle), platform=PLATFORM,
+                auth=_auth(call), stream=True, platform_ids=pids, poll=True)
+    with closing(resp):
+        if resp.ok and "json" not in resp.headers.get("Content-Type", ""):
+            return _read_stream(resp, call, dict(pids))
+    return Running({"run_id": pids["workflow_run_id"]}, pids, status="resumed")
+
+
 def _http_error(resp: requests.Response, body: Any, call: StageCall,
-                pids: dict[str, str] | None = None, poll: bool = False) -> PlatformError:
+                pids: dict[str, str] | None = None, poll: bool = False,
+                retry: Retry | None = None, hint: str = "") -> PlatformError:
     code = body.get("code") if isinstance(body, dict) else None
     message = body.get("message") if isinstance(body, dict) else None
     text = f"{code}: {message or ''}" if code else (message or resp.text or resp.reason or "")
-    retry = None if resp.status_code in (401, 403) else code_retry(code)
-    hint = CODE_HINTS.get(code, "") if isinstance(code, str) else ""
+    retry = retry or (None if resp.status_code in (401, 403) else code_retry(code))
+    hint = hint or (CODE_HINTS.get(code, "") if isinstance(code, str) else "")
     if code == "invalid_param" and "not published" in str(message).lower():
         hint = " (publish the app in Dify: the API runs the published version only)"
     return http_error(resp, call, PLATFORM, retry=retry, message=text, code=code, platform_ids=pids,
@@ -255,9 +305,9 @@ def _event_error(event: dict[str, Any], call: StageCall, pids: dict[str, str]) -
                          outage=status == 429 and not run_id)
 
 
-def _human_input(event: dict[str, Any]) -> tuple[str, str | None]:
-    """Where a paused run waits and its prompt, from a ``human_input_required`` or ``workflow_paused``
-    frame (whose ``data.reasons`` carry the same fields)."""
+def _human_input(event: dict[str, Any]) -> tuple[str, str | None, dict[str, Any]]:
+    """Where a paused run waits, its prompt and its form, from a ``human_input_required`` or
+    ``workflow_paused`` frame (whose ``data.reasons`` carry the same fields)."""
     data = event.get("data") if isinstance(event.get("data"), dict) else {}
     reasons = data.get("reasons") if isinstance(data.get("reasons"), list) else []
     found = data if "form_content" in data else next(
@@ -265,10 +315,10 @@ def _human_input(event: dict[str, Any]) -> tuple[str, str | None]:
     title = found.get("node_title") or found.get("node_id")
     prompt = found.get("form_content")
     return (f"human-input node {title!r}" if isinstance(title, str) else "a human-input node",
-            prompt if isinstance(prompt, str) else None)
+            prompt if isinstance(prompt, str) else None, found)
 
 
-def _read_stream(resp: requests.Response, call: StageCall) -> Outcome:
+def _read_stream(resp: requests.Response, call: StageCall, pids: dict[str, str] | None = None) -> Outcome:
     """Read events to ``workflow_finished`` (the run's outcome), calling ``on_progress`` on each frame.
 
     The stream is never closed early (that leaves the run ``running`` in Dify for ever). An ``error``
@@ -278,7 +328,7 @@ def _read_stream(resp: requests.Response, call: StageCall) -> Outcome:
     (the run may have started). Without ``workflow_started`` within ``call.timeout_s`` (pings only):
     ``UNKNOWN``.
     """
-    pids: dict[str, str] = {}
+    pids = pids or {}
     asked = NOT_ASKED
     progress = Progress(call)
     started_by = time.monotonic() + call.timeout_s
@@ -312,14 +362,16 @@ def _read_stream(resp: requests.Response, call: StageCall) -> Outcome:
     return _stream_broke(call, pids, None)
 
 
-NOT_ASKED: tuple[str, str | None] = ("", None)
+NOT_ASKED: tuple[str, str | None, dict[str, Any]] = ("", None, {})
 
 
-def _paused(call: StageCall, pids: dict[str, str], asked: tuple[str, str | None]) -> PlatformError:
-    where, prompt = asked
+def _paused(call: StageCall, pids: dict[str, str],
+            asked: tuple[str, str | None, dict[str, Any]]) -> PlatformError:
+    where, prompt, form = asked
     run = f"dify run {pids.get('workflow_run_id')}"
+    handle, how = dify_waits.resume_handle(form, pids, call.target)
     return waiting_for_person(f"{run} paused at {where or 'a human-input node'}", call, prompt, pids,
-                              hint=WAITING_HINT)
+                              hint=WAITING_HINT, resume=handle, how=how)
 
 
 def _stream_broke(call: StageCall, pids: dict[str, str], exc: BaseException | None) -> Outcome:
@@ -349,31 +401,6 @@ def _sse_events(resp: requests.Response) -> Iterator[dict[str, Any] | None]:
             data.append(line[5:].removeprefix(b" "))
     if fields:
         yield _json_object(b"\n".join(data)) if data else None
-
-
-def _lines(resp: requests.Response) -> Iterator[bytes]:
-    """Body lines without their line ends, each as soon as it is complete."""
-    buffer = bytearray()
-    for chunk in _chunks(resp):
-        scan_from = len(buffer)
-        buffer += chunk
-        while (end := buffer.find(b"\n", scan_from)) >= 0:
-            line = bytes(buffer[:end]).rstrip(b"\r")
-            del buffer[:end + 1]
-            scan_from = 0
-            yield line
-    if buffer:
-        yield bytes(buffer).rstrip(b"\r")
-
-
-def _chunks(resp: requests.Response) -> Iterator[bytes]:
-    """Body bytes as soon as they arrive, whatever the framing (chunked or not)."""
-    read1 = getattr(resp.raw, "read1", None)
-    if read1 is None:  # urllib3 < 2: one byte at a time is slow but never waits for a full buffer
-        yield from resp.iter_content(chunk_size=1)
-        return
-    while chunk := read1(READ_SIZE):
-        yield chunk
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:

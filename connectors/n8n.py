@@ -47,9 +47,11 @@ from urllib.parse import quote, urlsplit
 
 import requests
 
+from connectors import n8n_waits
 from connectors.base import (
     Accepted,
     Answer,
+    Decision,
     Done,
     Outcome,
     PlatformError,
@@ -97,7 +99,8 @@ WAIT_FOR_SUB_EXECUTION = datetime.fromisoformat("2999-12-31T00:00:00+00:00").tim
 resumes when the child ends, so it is running."""
 PROMPT_PARAMETERS = ("message", "subject", "formTitle", "formDescription")
 """Parameters of the waiting node that hold what it asks the person (send-and-wait ``message``/``subject``,
-Form ``formTitle``/``formDescription``); read when the execution comes with its ``workflowData``."""
+Form ``formTitle``/``formDescription``; else the node's ``notes``); read when the execution comes with its
+``workflowData``."""
 WAITING_HINT = (": the execution stays waiting in n8n until a person answers it there (its result does "
                 "not reach this batch); give the node a time limit within the stage's max_run, or remove "
                 "it from the workflow batchgate calls")
@@ -177,6 +180,12 @@ class N8nConnector:
             can_ask = bool(pids.get("execution_id") and target.get("api_url"))
             return Accepted(pids, handle={"execution_id": pids["execution_id"]} if can_ask else None)
         return _sync_outcome(body, target, pids)
+
+    def resume(self, call: StageCall, handle: dict[str, Any], decision: Decision,
+               session: requests.Session) -> Outcome:
+        """Resume an execution waiting for a person, then read it (``n8n_waits.resume``)."""
+        target = checked(validate_target, call.target)
+        return n8n_waits.resume(call, handle, decision, session, self.poll, auth=_webhook_auth(call, target))
 
     def poll(self, call: StageCall, handle: dict[str, Any], session: requests.Session) -> Outcome:
         """Read an execution through the public API: done, still running, or failed."""
@@ -383,7 +392,9 @@ def _raise_if_waiting_for_person(body: dict[str, Any], call: StageCall, name: st
         until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wait_till))
         what = (f"{name} is waiting{where} until {until}, after the stage's max_run ends "
                 f"({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(deadline))})")
-    raise waiting_for_person(what, call, _prompt(body, node), pids, hint=WAITING_HINT)
+    handle, how = n8n_waits.resume_handle(body, call.target, pids["execution_id"], node,
+                                          indefinite=wait_till >= WAIT_INDEFINITELY)
+    raise waiting_for_person(what, call, _prompt(body, node), pids, hint=WAITING_HINT, resume=handle, how=how)
 
 
 def _timestamp(value: Any) -> float | None:
@@ -404,8 +415,9 @@ def _prompt(body: dict[str, Any], node: Any) -> str | None:
     parameters = found[0].get("parameters") if found else None
     if not isinstance(parameters, dict):
         return None
+    notes = found[0].get("notes")  # the node's Notes setting: where a Wait node's author says what it asks
     return next((parameters[k] for k in PROMPT_PARAMETERS if isinstance(parameters.get(k), str)
-                 and parameters[k].strip()), None)
+                 and parameters[k].strip()), notes if isinstance(notes, str) and notes.strip() else None)
 
 
 def _last_node_answer(body: dict[str, Any], name: str, pids: dict[str, str]) -> Answer:

@@ -31,11 +31,11 @@ import urllib3
 
 from connectors.base import (
     OUTPUT_TRIMMED,
-    WAITING_HUMAN,
     Answer,
     PlatformError,
     Retry,
     StageCall,
+    WaitingHuman,
     classify_http,
     encode,
     is_outage,
@@ -259,16 +259,38 @@ def http_error(resp: requests.Response, call: StageCall, platform: str, *, retry
 
 
 def waiting_for_person(what: str, call: StageCall, prompt: Any = None,
-                       platform_ids: dict[str, str] | None = None, hint: str = "") -> PlatformError:
-    """FATAL ``waiting_human``: the run stopped to wait for a person, which batchgate cannot be.
+                       platform_ids: dict[str, str] | None = None, hint: str = "", *,
+                       resume: dict[str, Any] | None = None, how: str = "") -> WaitingHuman:
+    """``waiting_human``: the run stopped to wait for a person.
 
     ``what`` names the run and where it waits; ``prompt`` is the platform's question to the person, kept
-    (clipped, secrets removed) in the message and in ``PlatformError.prompt``.
+    (clipped, secrets removed) in the message and in ``.prompt``. ``resume``: the handle a decision resumes
+    the run with, when the platform's API can; ``how``: where a person answers it otherwise (``hint`` is
+    said in the message when no handle is given).
     """
     shown = clip(prompt, call) if isinstance(prompt, str) and prompt.strip() else None
     text = f"{what}: waiting for a person" + (f" ({shown})" if shown else "")
-    return PlatformError(f"{text}; batchgate cannot answer it{hint}", Retry.FATAL, code=WAITING_HUMAN,
-                         platform_ids=platform_ids, prompt=shown)
+    text += ("; the platform's API can resume it with a decision" if resume is not None
+             else f"; batchgate cannot answer it{hint}")
+    return WaitingHuman(text, prompt=shown, resume=resume, how=how or hint.lstrip(": "),
+                        platform_ids=platform_ids, watch=watch_handle(platform_ids or {}))
+
+
+WATCH_KEYS = (("execution_id", "execution_id"), ("workflow_run_id", "run_id"), ("execute_id", "execute_id"))
+"""Platform id -> the ``poll`` handle key that watches the run (n8n, Dify, Coze)."""
+
+
+def watch_handle(platform_ids: dict[str, str]) -> dict[str, str] | None:
+    """The ``poll`` handle of a run from its platform ids, or None when they name no run."""
+    return next(({key: platform_ids[pid]} for pid, key in WATCH_KEYS if platform_ids.get(pid)), None)
+
+
+def not_resumed(handle: dict[str, Any], why: str, pids: dict[str, str] | None = None) -> PlatformError:
+    """FATAL ``rejected``: a rejection the waiting run cannot take; the run is not resumed and still waits."""
+    where = handle.get("node") or handle.get("node_title") or "its node"
+    return PlatformError(f"{handle.get('platform', 'the platform')} run not resumed on rejection: {why}; it "
+                         f"still waits at {where!r} on the platform (stop it there)", Retry.FATAL,
+                         code="rejected", platform_ids=pids)
 
 
 def output_trimmed(what: str, platform_ids: dict[str, str] | None = None, hint: str = "") -> PlatformError:

@@ -52,6 +52,13 @@ class RetryableError(BatchgateError):
         self.retry_after = retry_after
 
 
+class NotReady(RetryableError):
+    """/readyz: a check failed; ``checks`` says which and why."""
+
+    title = "Not ready"
+    type_slug = "not-ready"
+
+
 class FatalError(BatchgateError):
     """Do not retry: the request or the state must change first."""
 

@@ -108,3 +108,13 @@ def redact_path(path: str) -> str:
         if path.startswith(prefix):
             return f"{prefix}<redacted:{fingerprint(path[len(prefix):])}>"
     return path
+
+
+def tenant_for_token(tokens: dict[str, str], token: str) -> str | None:
+    """The tenant a bearer token names in ``tokens`` (token -> tenant), None for an unknown one. Every
+    known token is compared, each in constant time, so the time taken says nothing about which matched."""
+    tenant = None
+    for known, name in tokens.items():
+        if hmac.compare_digest(known.encode(), token.strip().encode()):
+            tenant = name
+    return tenant

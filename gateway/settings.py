@@ -70,6 +70,9 @@ class Settings(BaseSettings):
         default=1024, ge=1, le=1_000_000, description="job specs each process keeps in memory "
         "(least recently used dropped; a spec is its params plus its parsed flow)")
     supervisor_interval: timedelta = timedelta(seconds=1)
+    ready_intervals: int = Field(
+        default=10, ge=1, le=10_000, description="/readyz and `batchgate health` count a supervisor or "
+        "worker alive while its last beat is younger than this many supervisor intervals")
     queue_redis_url: SecretStr | None = Field(
         default=None, description="RQ's Redis (push mode); unset = the ledger's Redis")
     signing_key: SecretStr | None = Field(
@@ -140,6 +143,8 @@ class Settings(BaseSettings):
                                else own.leases_per_second))
 
     log_level: str = "INFO"
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="text for a terminal; json: one object per line with job fields")
     host: str = "127.0.0.1"
     port: int = 8080
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -53,9 +54,10 @@ class ApiClient:
 
 @contextmanager
 def gunicorn_api(redis_url: str, data_dir: Any, tokens: dict[str, str], workers: int = 2,
-                 flow: dict | None = None, **env: str) -> Iterator[str]:
+                 flow: dict | None = None, supervisor: bool = False, **env: str) -> Iterator[str]:
     """``batchgate``'s API under a real gunicorn (``workers`` processes) on ``redis_url``; yields its
-    base URL once healthy, with ``flow`` registered (by the first token's tenant) when given."""
+    base URL once healthy, with ``flow`` registered (by the first token's tenant) when given; with
+    ``supervisor``, a `batchgate supervisor` beside it, so /readyz answers 200."""
     from gateway.ledger.embedded import free_port
     from gateway.runtime import procs
     from gateway.settings import Settings
@@ -63,12 +65,17 @@ def gunicorn_api(redis_url: str, data_dir: Any, tokens: dict[str, str], workers:
     child_env = {**procs.child_env(Settings(data_dir=data_dir), redis_url, tokens), **env}
     port = free_port()
     proc = procs.start_api(child_env, "127.0.0.1", port, workers=workers)
+    sup = procs.start_supervisor(child_env) if supervisor else None
     base = f"http://127.0.0.1:{port}"
     try:
         procs.wait_healthy(base, proc=proc)
+        deadline = time.monotonic() + 30
+        while sup is not None and requests.get(f"{base}/readyz", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline and sup.poll() is None, "the supervisor never made /readyz ready"
+            time.sleep(0.1)
         if flow is not None:
             auth = {"Authorization": f"Bearer {next(iter(tokens))}"}
             assert requests.post(f"{base}/v1/flows", json=flow, headers=auth, timeout=30).status_code == 201
         yield base
     finally:
-        procs.stop(proc)
+        procs.stop_all([proc, sup])

@@ -574,6 +574,7 @@ class OnceCallbackPlatform:
         self._errors = requests.RequestException
         self.min_s, self.span_s = min_s, max_s - min_s
         self.runs: Counter = Counter()
+        self.callback_urls: list[str] = []
         self.posted: Counter = Counter()
         self.lock = threading.Lock()
         self.rng = random.Random(seed)
@@ -587,6 +588,7 @@ class OnceCallbackPlatform:
                 env = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with outer.lock:
                     outer.runs[env["idempotency_key"]] += 1
+                    outer.callback_urls.append(env["callback_url"])
                     delay = outer.min_s + outer.rng.random() * outer.span_s
                 respond(self, 202, {"accepted": True})
                 threading.Timer(delay, outer.post_back, args=(env,)).start()

@@ -76,7 +76,10 @@ def test_restarts_of_a_socket_activated_api_refuse_no_callback(redis_server, tmp
     api.headers.update(Authorization=f"Bearer {TOKEN}", Connection="close")
     flow = {"id": "cb", "version": "1", "batching": {"max_items": 1}, "concurrency": 12,
             "source": {"type": "sequence", "count": BATCHES},
-            "stages": [{"name": "score", "lease": 8, "idempotent": False,
+            # the lease must outlast a restart of the API: with 8 s, a run on a loaded 2-core machine (load
+            # average 8) took longer than that to bring serve back, the supervisor expired 12 leases and
+            # their callbacks, held in the backlog meanwhile, met a re-dispatched attempt (409)
+            "stages": [{"name": "score", "lease": 30, "idempotent": False,
                         "target": {"type": "http", "url": platform.url, "mode": "callback",
                                    "max_in_flight": 12}}]}
     try:

@@ -14,7 +14,6 @@ import threading
 
 import pytest
 
-import gateway.ledger.jobs
 from gateway.ledger.ledger import Ledger
 from gateway.settings import Settings
 from gateway.push.supervisor import Supervisor
@@ -65,23 +64,6 @@ def test_supervisor_forgets_the_spec_of_a_job_it_retires(ledger, make_job):
     Supervisor(ledger, name="sup").tick()
     assert not ledger.r.sismember(ledger.keys.active, job_id)
     assert job_id not in ledger._specs
-
-
-def test_listing_pages_through_the_index_and_forgets_expired_jobs(ledger, jobs, make_job, monkeypatch):
-    monkeypatch.setattr(gateway.ledger.jobs, "LIST_PAGE", 3)
-    ids = [make_job(items=2) for _ in range(10)]
-    expired = ids[1:8:2]  # as if their retention ran out: every key gone, the index entry left
-    for job_id in expired:
-        k = ledger.keys.job(job_id)
-        ledger.r.delete(k.job, k.spec, k.src, k.log, k.audit)
-        ledger.forget(job_id)
-    index = ledger.keys.jobs("acme")
-    assert ledger.r.zcard(index) == 10
-    kept = [j for j in ledger.r.zrevrange(index, 0, -1) if j not in expired]  # newest first
-    assert [v["job_id"] for v in jobs.list("acme", None, 4)] == kept[:4]
-    assert [v["job_id"] for v in jobs.list("acme", None, 100)] == kept
-    assert set(ledger.r.zrange(index, 0, -1)) == set(kept)
-    assert jobs.list("acme", "failed", 100) == []
 
 
 # -- batches are bounded in memory (issue 15: one job creation took a worker from 65 MB to 712 MB) ----------

@@ -7,8 +7,10 @@ is kept, and the batch ends within a stated bound:
 
 - a Dify ``error`` frame ends the attempt when the stream ends (the run is never polled);
 - a run waiting for a person (n8n WAIT_INDEFINITELY or a ``waitTill`` past max_run, a Dify human-input
-  node, a Coze interrupt) fails as ``waiting_human`` at the first answer that shows it: the stream's
-  end, or the first poll (``poll_interval`` after the trigger);
+  node, a Coze interrupt) is seen at the first answer that shows it (the stream's end, or the first poll,
+  ``poll_interval`` after the trigger) and never run again: a wait the platform's API can resume (a
+  Dify form on the stream) opens an approval showing the platform's prompt (tests/test_platform_waits.py
+  decides it); one it cannot (a signed or id-less n8n "send and wait" link) fails as ``waiting_human``;
 - a Coze run history ``Success`` is unwrapped (``Output``) or, trimmed, fails as ``output_trimmed`` at
   that poll;
 - polls back off (doubling from ``poll_interval`` to ``poll_cap``) and the log records state changes.
@@ -124,7 +126,7 @@ def assert_waiting_human(api, job_id: str, prompt: str | None, *words: str) -> N
         assert prompt in failed["error"] and shown[0]["prompt"] == prompt
 
 
-def test_a_dify_human_input_node_fails_the_batch_as_waiting_human_with_its_prompt(push, make_job, api):
+def test_a_dify_human_input_node_opens_an_approval_showing_its_prompt(push, make_job, api):
     ledger, d = push
     prompt = "Check the extracted invoice total before it is booked"
     with StandinDify(api_key=DIFY_KEY, run_s=0.1, human_input=prompt) as server:
@@ -132,9 +134,15 @@ def test_a_dify_human_input_node_fails_the_batch_as_waiting_human_with_its_promp
         job, took = run_job(ledger, d, job_id)
         server.settle()
         billed, polls = dict(server.billed), server.polls()
-    assert job["status"] == "failed" and took < BOUND_S
-    assert list(billed.values()) == [1] and polls == 0  # fatal even when idempotent: never run again
-    assert_waiting_human(api, job_id, prompt, "Approve refund")
+    # its form can be submitted through Dify's API: the batch waits for a person (issue 16), no lease held
+    assert job["status"] == "waiting_human" and took < BOUND_S
+    assert list(billed.values()) == [1] and polls == 0  # never run again, even when idempotent
+    waiting = batch(api, job_id)
+    assert waiting["status"] == "waiting_human", waiting
+    approvals = api.get("/v1/approvals?status=pending").json()["approvals"]
+    assert [a["kind"] for a in approvals] == ["platform"] and approvals[0]["prompt"] == prompt
+    shown = [e for e in log(api, job_id) if e["event"] == "waiting_on_person"]
+    assert len(shown) == 1 and shown[0]["prompt"] == prompt
 
 
 @pytest.mark.parametrize("behaviour, prompt, words", [

@@ -229,3 +229,27 @@ def test_zero_means_no_limit_and_nothing_is_counted(serve, redis_client):
     assert [acme.post(f"/v1/jobs/{jobs[0].json()['job_id']}/lease").status_code for _ in range(6)] == [
         200] * 4 + [204] * 2
     assert not redis_client.keys("bg:quota:*{acme}")
+
+
+def test_the_supervisor_retiring_finished_jobs_keeps_the_active_set_small(serve, redis_client, settings,
+                                                                          monkeypatch):
+    """The soak's finding: 20,000 short jobs retired by the supervisor left their ids in the active set
+    until a prune, which only runs once the set is full and in one process at a time; creations racing
+    it were refused at the default limit of 10,000. Retiring a succeeded or cancelled job drops its id
+    then; a failed job keeps its place (it may be resumed)."""
+    from gateway.ledger.ledger import Ledger
+    from gateway.push.supervisor import Supervisor
+
+    monkeypatch.setattr(quotas_module, "PRUNE_EVERY", timedelta(hours=1))  # no prune helps here
+    acme, _ = serve(active_jobs=3)
+    ids = [create(acme, "short").json()["job_id"] for _ in range(3)]
+    assert create(acme, "short").status_code == 429
+    for job_id, verdict in zip(ids, ("complete", "fail")):
+        token = acme.post(f"/v1/jobs/{job_id}/lease").json()["lease_token"]
+        body = {"output": {}} if verdict == "complete" else {"error": {"message": "no", "retryable": False}}
+        acme.post(f"/v1/jobs/{job_id}/batches/0/{verdict}", json={"lease_token": token, **body})
+    acme.post(f"/v1/jobs/{ids[2]}/cancel")
+    assert [acme.get(f"/v1/jobs/{j}").json()["status"] for j in ids] == ["succeeded", "failed", "cancelled"]
+    Supervisor(Ledger(redis_client, settings), name="sup").tick()
+    assert redis_client.smembers(Keys("bg").quota_active("acme")) == {ids[1]}
+    assert create(acme, "short").status_code == 201

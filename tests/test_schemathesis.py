@@ -68,7 +68,8 @@ def stack(redis_server, tmp_path_factory):
     from tests.http import gunicorn_api
 
     client_for(redis_server.url).flushdb()
-    with gunicorn_api(redis_server.url, tmp_path_factory.mktemp("st"), {TOKEN: "acme"}, flow=FLOW) as base:
+    with gunicorn_api(redis_server.url, tmp_path_factory.mktemp("st"), {TOKEN: "acme"}, flow=FLOW,
+                      supervisor=True) as base:  # /readyz answers 200 with a supervisor alive
         yield base, TOKEN
 
 

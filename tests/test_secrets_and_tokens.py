@@ -103,7 +103,8 @@ def test_flat_secrets_are_refused_with_a_migration_hint(monkeypatch):
     text = str(caught.value)
     assert "dify_app" in text and '"*"' in text and "app-flat-value-123" not in text
     monkeypatch.setenv("BATCHGATE_SECRETS", json.dumps({"dify_app": "app-flat-value-123"}))
-    result = subprocess.run([sys.executable, "-m", "gateway.runtime.cli", "jobs", "list"], capture_output=True,
+    # a server command stops on it (the HTTP-only commands read no server settings: test_cli.py)
+    result = subprocess.run([sys.executable, "-m", "gateway.runtime.cli", "supervisor"], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2
     assert "flat form" in result.stderr and "app-flat-value-123" not in result.stderr

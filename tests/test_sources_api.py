@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from gateway.runtime.cli_client import progress_line
+from gateway.runtime.cli_client import _measure
 from gateway.ledger.jobspec import JobSpec
 from tests.chunker.helpers import Server, file_app
 
@@ -209,9 +209,14 @@ def test_csv_file_job_reports_progress_and_eta_by_bytes(api, tmp_path):
         assert v["progress"] == round(v["bytes_done"] / size, 4)
     final = views[-1]
     assert final["status"] == "succeeded" and final["progress"] == 1.0 and final["eta_s"] == 0.0
-    assert final["bytes_done"] == size and final["items_done"] == 10 and final["items_total"] is None
-    assert "100.0%" in progress_line(final) and "10 items" in progress_line(final)
-    assert progress_line(views[0]).startswith("[")  # the CLI draws a bar for files too
+    # read to the end, the file's item count is known (issue 17: it stayed null)
+    assert final["bytes_done"] == size and final["items_done"] == 10 and final["items_total"] == 10
+    assert all(v["items_total"] is None for v in views if not v["source_exhausted"])
+    # the CLI's bar: bytes of the file while the count is unknown, then items
+    unknown = {**final, "items_total": None, "bytes_done": size // 2}  # as before the file's end is read
+    assert _measure(unknown) == (size, size // 2, "B")
+    assert _measure(final) == (size, size, "B")  # one unit for the whole run: no jump at the end
+    assert _measure({**final, "bytes_total": None}) == (10, 10, "items")
 
 
 def test_jsonl_url_job_takes_its_size_from_content_length(api, serve):

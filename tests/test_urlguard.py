@@ -135,3 +135,43 @@ def test_allowed_networks_cover_other_spellings_of_their_addresses():
         check_url(f"http://{host}:5678/", allow)
     with pytest.raises(UnsafeURL):
         check_url("http://127.0.0.2:5678/", allow)
+
+
+# -- registration: what the URL itself shows, nothing resolved (issue 17: a Dify flow offline) ---------
+
+def test_registration_checks_refuse_what_the_url_shows_and_resolve_nothing(monkeypatch):
+    from gateway.net.urlguard import check_url_shape
+
+    def no_dns(*args, **kwargs):
+        raise AssertionError("check_url_shape must not resolve")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    for url in ("https://api.dify.ai/v1", "https://does-not-resolve.invalid/hook", "http://[2606:4700::1111]/"):
+        check_url_shape(url, NOTHING)
+    for url, says in (("http://10.0.0.1/hook", "a private address"), ("http://169.254.169.254/", "metadata"),
+                      ("http://0x7f000001:5678/", "loopback"), ("http://localhost:5678/", "names this machine"),
+                      ("http://n8n.localhost/", "names this machine"), ("ftp://example.com/", "http")):
+        with pytest.raises(UnsafeURL, match=says):
+            check_url_shape(url, NOTHING)
+    allow = Allowlist.parse(["127.0.0.1/32", "localhost"])
+    check_url_shape("http://127.0.0.1:5678/", allow)
+    check_url_shape("http://localhost:5678/", allow)
+
+
+def test_a_flow_on_a_host_that_does_not_resolve_here_registers_and_its_calls_are_still_guarded(
+        api, monkeypatch):
+    """The shipped Dify flow registered offline answered 422 (api.dify.ai did not resolve); now it
+    registers, and a call to a name that resolves to a private address is still refused on connection."""
+    flow = {"id": "dify-offline", "version": "1", "source": {"type": "sequence", "count": 2},
+            "stages": [{"name": "s", "target": {"type": "http", "url": "https://unreachable.invalid/run",
+                                                 "mode": "sync"}}]}
+    assert api.post("/v1/flows", json=flow).status_code == 201
+    bad = {**flow, "version": "2",
+           "stages": [{"name": "s", "target": {"type": "http", "url": "http://192.168.1.5/run", "mode": "sync"}}]}
+    refused = api.post("/v1/flows", json=bad)
+    assert refused.status_code == 422 and "private address" in refused.json()["detail"]
+    answers = {"internal.example": "10.0.0.1"}
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, port, *a, **k: [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", (answers[host], port))])
+    with pytest.raises(UnsafeURL, match="resolves to 10.0.0.1"):
+        check_url("http://internal.example/run", NOTHING)  # what each call goes through

@@ -6,7 +6,8 @@ Each thread loops: lease a batch, do its stage, heartbeat while working, complet
   store: writes the batch's scores to results/<idempotency_key>.json (overwrite = idempotent)
 Every stage attempt started is logged to attempts.jsonl (the demo counts repeated stores from it).
 
-Usage: python worker.py BASE_URL TOKEN JOB_ID WORK_DIR [THREADS]
+Usage: python worker.py JOB_ID [WORK_DIR [THREADS]]      the gateway found as the CLI finds it
+       python worker.py BASE_URL TOKEN JOB_ID WORK_DIR [THREADS]
 """
 
 from __future__ import annotations
@@ -98,8 +99,22 @@ class Worker:
 
 
 def main() -> int:
-    base, token, job_id, work = sys.argv[1:5]
-    threads = int(sys.argv[5]) if len(sys.argv) > 5 else 4
+    args = sys.argv[1:]
+    if args and args[0].startswith(("http://", "https://")):
+        base, token, job_id, work = args[:4]
+        threads = int(args[4]) if len(args) > 4 else 4
+    elif args:  # the gateway and token as the CLI finds them (BATCHGATE_URL/TOKEN, or the running up)
+        from gateway.client import Client
+
+        found = Client.discover()
+        base, token = found.base, found.session.headers.get("Authorization", "").removeprefix("Bearer ")
+        job_id = args[0]
+        work = args[1] if len(args) > 1 else os.path.join(os.environ.get("BATCHGATE_DATA_DIR", ".batchgate"),
+                                                            "resume-screening")
+        threads = int(args[2]) if len(args) > 2 else 4
+    else:
+        print(__doc__, file=sys.stderr)
+        return 2
     work_dir = Path(work)
     (work_dir / "results").mkdir(parents=True, exist_ok=True)
     pool = [threading.Thread(target=Worker(base, token, job_id, work_dir).loop) for _ in range(threads)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 import traceback
@@ -15,6 +14,7 @@ from flask import Flask, Response, g, jsonify, request
 from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
+from gateway import logs
 from gateway.api.common import Services, request_services, require_json_type
 from gateway.api.idempotency import IdempotencyStore
 from gateway.api.spool import CallbackSpool
@@ -28,6 +28,7 @@ from gateway.errors import (
 from gateway.ledger.flows import FlowRegistry
 from gateway.ledger.jobs import JobService
 from gateway.ledger.ledger import Ledger
+from gateway.security import tenant_for_token
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -40,11 +41,16 @@ LEDGER_RETRY_AFTER = timedelta(seconds=2)  # a Redis restart from its AOF takes 
 def create_app(settings: Settings | None = None, client: redis.Redis | None = None) -> Flask:
     """Build the WSGI app; with no client, connect as settings say (no URL: join a running `up`)."""
     from gateway.api import approvals, callbacks, decide, flows, health, jobs, pull, subscriptions
+    from gateway.console import views as console
     from gateway.ledger.embedded import connect
+    from gateway.push import resumer
     from gateway.push.dispatch import Dispatcher
     from gateway.push.supervisor import recovery_gate
 
     settings = settings or Settings()
+    if not logging.getLogger().handlers:  # a gunicorn worker: nothing set the root logger up
+        logs.configure(settings.log_level, settings.log_format,
+                       [*logs.secret_values(settings), *settings.token_map()])
     if client is None:
         client, settings = connect(settings)
     ledger = Ledger(client, settings)
@@ -67,21 +73,40 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         idempotency=IdempotencyStore(client, ledger.keys, settings.idempotency_ttl),
         dispatcher=Dispatcher.build(settings, ledger) if settings.redis_url else None)
     services: Services = app.extensions["batchgate"]
+    resumer.install(services.dispatcher)  # a decided platform approval resumes its run (issue 16)
     services.spool = CallbackSpool(settings.data_dir / "callback-spool",
                                    lambda token, body: callbacks.commit_callback(services, token, body))
     services.spool.start()  # what an earlier process spooled is committed once Redis answers
     for bp in (health.bp, flows.bp, jobs.bp, pull.bp, callbacks.bp, subscriptions.bp, approvals.bp,
-               decide.bp):
+               decide.bp, console.bp):
         app.register_blueprint(bp)
     if deferred_check:
         app.before_request(ledger.check_digest_agreement)  # a no-op once it has passed
     app.before_request(_authenticate)
+    app.before_request(_bind_log_context)
+    app.teardown_request(_unbind_log_context)
     startup = recovery_gate(ledger, "api")  # a restart's recovery is decided before any job request
+    app.extensions["batchgate.startup"] = startup  # the console waits on it too (console/views.py)
     app.before_request(lambda: _recovery_decided(startup))
     app.before_request(_json_bodies_only)
     app.after_request(_no_content_no_type)
     _register_errors(app)
     return app
+
+
+def _bind_log_context() -> None:
+    """Lines logged while a request on a job is served carry its job_id (and seq) and tenant."""
+    args = request.view_args or {}
+    fields = {"job_id": args.get("job_id"), "seq": args.get("seq"), "tenant": g.get("tenant")}
+    if any(v is not None for v in fields.values()):
+        g.log_context = logs.bind(**fields)
+        g.log_context.__enter__()
+
+
+def _unbind_log_context(exc: BaseException | None = None) -> None:
+    ctx = g.pop("log_context", None)
+    if ctx is not None:
+        ctx.__exit__(None, None, None)
 
 
 class StrictJSONProvider(DefaultJSONProvider):
@@ -107,9 +132,11 @@ def _finite(value: Any) -> Any:
 
 
 def _json_bodies_only() -> None:
-    """415 for any body that is not JSON, on every route (json_body checks again where it reads); 413
-    for a chunked body over the limit."""
+    """415 for any body that is not JSON, on every route but the console's HTML forms (json_body checks
+    again where it reads); 413 for a chunked body over the limit."""
     if request.method not in BODY_METHODS or request.routing_exception is not None:
+        return
+    if request.blueprint == "console":  # form posts, each checked for its CSRF token (console/views.py)
         return
     if request.path.startswith("/decide/"):  # an HTML form post (decide.py), not the JSON API
         return
@@ -158,9 +185,7 @@ def _authenticate() -> None:
     scheme, _, token = header.partition(" ")
     tenant = None
     if scheme.lower() == "bearer" and token:
-        for known, name in services.settings.token_map().items():
-            if hmac.compare_digest(known.encode(), token.strip().encode()):
-                tenant = name
+        tenant = tenant_for_token(services.settings.token_map(), token)
     if tenant is None:
         raise Unauthorized("a valid bearer token is required (Authorization: Bearer <token>)")
     g.tenant = tenant

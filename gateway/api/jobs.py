@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+from datetime import datetime, timezone
 from urllib.parse import urlencode
 
 import redis
 from flask import Blueprint, current_app, g, jsonify, request
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.api.common import idempotent, json_body, query_int, request_services
+from gateway.api.common import Services, idempotent, json_body, query_int, request_services
 from gateway.errors import InvalidRequest
 from gateway.ledger.joblist import parse_query
 from gateway.ledger.jobs import JobRequest, MigrateRequest, ResumeRequest, new_job_id
@@ -106,7 +107,14 @@ def _read_stream(services, key: str, stage_names: list[str] | None) -> list[dict
         entries = services.redis.xrange(key, start, "+", count=limit)
     except redis.ResponseError as exc:  # a malformed stream id from the caller
         raise InvalidRequest("after must be a log entry id such as 1700000000000-0") from exc
-    return [{"id": i, **typed_entry(fields, stage_names)} for i, fields in entries]
+    return [{"id": i, **_when(i), **typed_entry(fields, stage_names)} for i, fields in entries]
+
+
+def _when(entry_id: str) -> dict:
+    """``at_ms`` and ``at`` (ISO 8601, UTC): when Redis appended the entry (its stream id's time)."""
+    ms = int(entry_id.split("-", 1)[0])
+    at = datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    return {"at_ms": ms, "at": f"{at}.{ms % 1000:03d}Z"}
 
 
 @bp.get("/<job_id>/audit")
@@ -120,10 +128,7 @@ def job_audit(job_id: str):
 @bp.post("/<job_id>/pause")
 def pause(job_id: str):
     """No new leases; answers for batches already in flight are still taken."""
-    services = request_services()
-    services.jobs.owned_spec(g.tenant, job_id)
-    services.ledger.pause(job_id, g.actor)
-    return jsonify(services.jobs.view(g.tenant, job_id))
+    return jsonify(pause_job(request_services(), g.tenant, job_id, g.actor))
 
 
 @bp.post("/<job_id>/release")
@@ -146,40 +151,63 @@ class CancelRequest(BaseModel):
 @bp.post("/<job_id>/cancel")
 def cancel(job_id: str):
     """Final: voids every outstanding lease. Cancelling a cancelled job again answers 200."""
-    services = request_services()
-    services.jobs.owned_spec(g.tenant, job_id)
+    request_services().jobs.owned_spec(g.tenant, job_id)  # another tenant's job: 404 before the body
     req = parse(CancelRequest, json_body(required=False), "cancel request")
-    result = services.ledger.cancel(job_id, g.actor, req.reason)
-    return jsonify({**services.jobs.view(g.tenant, job_id), "cancel": result})
+    return jsonify(cancel_job(request_services(), g.tenant, job_id, g.actor, req))
 
 
 @bp.post("/<job_id>/resume")
 def resume(job_id: str):
     req = parse(ResumeRequest, json_body(required=False), "resume request")
-    view = request_services().jobs.resume(g.tenant, job_id, req, g.actor)
-    request_quotas().track(g.tenant, job_id)  # a succeeded job resumed from a cursor is active again
-    return jsonify(view)
+    return jsonify(resume_job(request_services(), g.tenant, job_id, g.actor, req))
 
 
 @bp.post("/<job_id>/retry-failed")
 def retry_failed(job_id: str):
-    services = request_services()
-    spec = services.jobs.owned_spec(g.tenant, job_id)
-    services.jobs.check_flow_version(spec)
-    settle(services.ledger, services.ledger.job_fields(job_id))  # after a migration: see migrate.py
-    reopened = services.ledger.reopen(job_id, g.actor, only_failed=True)
-    request_quotas().track(g.tenant, job_id)
-    if reopened and services.dispatcher is not None and any(s.target for s in spec.flow.stages):
-        services.dispatcher.kick(job_id)
-    return jsonify({**services.jobs.view(g.tenant, job_id), "reopened": reopened})
+    return jsonify(retry_failed_job(request_services(), g.tenant, job_id, g.actor))
 
 
 @bp.post("/<job_id>/migrate")
 def migrate(job_id: str):
     """Move a paused or failed job to another version of its flow; 409 names what is incompatible."""
     req = parse(MigrateRequest, json_body(), "migrate request")
-    services = request_services()
-    view = services.jobs.migrate(g.tenant, job_id, req, g.actor)
+    return jsonify(migrate_job(request_services(), g.tenant, job_id, g.actor, req))
+
+
+# The job operations behind the routes above, shared with the web console (gateway/console): one
+# place decides what an action does (quotas, dispatcher kicks, settling a migration), whoever asks.
+
+def pause_job(services: Services, tenant: str, job_id: str, actor: str) -> dict:
+    services.jobs.owned_spec(tenant, job_id)
+    services.ledger.pause(job_id, actor)
+    return services.jobs.view(tenant, job_id)
+
+
+def cancel_job(services: Services, tenant: str, job_id: str, actor: str, req: CancelRequest) -> dict:
+    services.jobs.owned_spec(tenant, job_id)
+    result = services.ledger.cancel(job_id, actor, req.reason)
+    return {**services.jobs.view(tenant, job_id), "cancel": result}
+
+
+def resume_job(services: Services, tenant: str, job_id: str, actor: str, req: ResumeRequest) -> dict:
+    view = services.jobs.resume(tenant, job_id, req, actor)
+    request_quotas().track(tenant, job_id)  # a succeeded job resumed from a cursor is active again
+    return view
+
+
+def retry_failed_job(services: Services, tenant: str, job_id: str, actor: str) -> dict:
+    spec = services.jobs.owned_spec(tenant, job_id)
+    services.jobs.check_flow_version(spec)
+    settle(services.ledger, services.ledger.job_fields(job_id))  # after a migration: see migrate.py
+    reopened = services.ledger.reopen(job_id, actor, only_failed=True)
+    request_quotas().track(tenant, job_id)
+    if reopened and services.dispatcher is not None and any(s.target for s in spec.flow.stages):
+        services.dispatcher.kick(job_id)
+    return {**services.jobs.view(tenant, job_id), "reopened": reopened}
+
+
+def migrate_job(services: Services, tenant: str, job_id: str, actor: str, req: MigrateRequest) -> dict:
+    view = services.jobs.migrate(tenant, job_id, req, actor)
     if services.dispatcher is not None and view["push_stages"]:
         services.dispatcher.kick(job_id)  # registers the job with the push workers if it now has targets
-    return jsonify(view)
+    return view

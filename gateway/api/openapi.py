@@ -137,6 +137,9 @@ VIEW_SCHEMAS: dict[str, Any] = {
             "limit": {**INT, "description": "429: that quota's limit"},
             "retry_after_s": {**NUM, "description": "429: seconds until a retry can be admitted"}}},
     "Health": _obj(["status"], status={"const": "ok"}, instance=STR),
+    "Live": _obj(["status"], status={"const": "ok"}),
+    "Readiness": _obj(["status", "checks"], status={"const": "ready"},
+                      checks={"type": "object", "additionalProperties": _obj(["ok"], ok=BOOL)}),
     "FlowRecord": _obj(["flow", "hash", "content_hash", "created_ms"],
                        flow=_obj(["id", "version", "stages"], id=STR, version=STR,
                                  stages={"type": "array", "items": OBJ}),
@@ -178,7 +181,8 @@ VIEW_SCHEMAS: dict[str, Any] = {
                       lease_deadline_ms=_nullable(INT)),
     "BatchList": _obj(["batches"], batches={"type": "array", "items": _ref("BatchView")}),
     "LogEntries": _obj(["entries"], entries={"type": "array",
-                                             "items": _obj(["id"], id=STR, event=STR)}),
+                                             "items": _obj(["id", "at_ms", "at"], id=STR, event=STR,
+                                                           at_ms=INT, at=STR)}),
     "LeaseEnvelope": _obj(
         ["job_id", "seq", "stage", "stage_index", "attempt", "idempotency_key", "lease_token",
          "lease_deadline"],
@@ -360,8 +364,12 @@ IDEMPOTENCY_KEY = {"name": "Idempotency-Key", "in": "header", "required": False,
 CONTROL = (404, 409, 413, 415)  # POSTs without a body model still refuse a non-JSON body
 
 ROUTES: tuple[Route, ...] = (
-    Route("get", "/healthz", "Liveness and readiness", {200: ("Redis answers", "Health")},
+    Route("get", "/healthz", "Redis answers", {200: ("Redis answers", "Health")},
           public=True, tags=("health",)),
+    Route("get", "/livez", "Liveness: the process serves requests", {200: ("alive", "Live")},
+          public=True, tags=("health",)),
+    Route("get", "/readyz", "Readiness: Redis, the ledger's scripts and a live supervisor",
+          {200: ("ready", "Readiness")}, (503,), public=True, tags=("health",)),
     Route("get", "/openapi.json", "This document", {200: ("the OpenAPI 3.1 document", None)},
           public=True, tags=("health",)),
     Route("post", "/v1/flows", "Register a flow version",
@@ -501,7 +509,7 @@ def _operation(route: Route) -> dict[str, Any]:
             resp["content"] = {"application/json": {"schema": _ref(schema)}}
         elif route.path == "/openapi.json":
             resp["content"] = {"application/json": {"schema": OBJ}}
-        if status == 204 and route.path.endswith("/lease"):
+        if status in (200, 204) and route.path.endswith("/lease"):
             resp["headers"] = {"Batchgate-Job-Status": {
                 "schema": {"enum": list(STATUSES)}, "description": "the job's status: wait or stop"}}
         responses[str(status)] = resp

@@ -73,7 +73,8 @@ def lease(job_id: str):
     if leased is None:
         status = services.ledger.job_fields(job_id)["status"]
         return "", 204, {"Batchgate-Job-Status": status}
-    return jsonify(leased.envelope())
+    # a batch was handed out, so the job was running: loops read one header whatever the answer
+    return jsonify(leased.envelope()), 200, {"Batchgate-Job-Status": "running"}
 
 
 @bp.post("/batches/<int:seq>/heartbeat")

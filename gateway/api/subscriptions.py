@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.api.common import json_body, query_int, request_services
 from gateway.ledger.events import DELIVERIES_KEPT, EVENT_TYPES, SubscriptionStore
-from gateway.net.urlguard import Allowlist, check_url
+from gateway.net.urlguard import Allowlist, check_url_shape
 from gateway.validation import parse
 
 bp = Blueprint("subscriptions", __name__, url_prefix="/v1/subscriptions")
@@ -36,7 +36,8 @@ def _store() -> SubscriptionStore:
 def create():
     """201 with the signing secret (shown this once); 422 for a URL the outbound guard refuses."""
     req = parse(SubscriptionRequest, json_body(), "the subscription")
-    check_url(req.url, Allowlist.parse(request_services().settings.outbound_allow))  # 422 UnsafeURL
+    # 422 UnsafeURL for what the URL shows; each delivery is checked on connection by the guard
+    check_url_shape(req.url, Allowlist.parse(request_services().settings.outbound_allow))
     return jsonify(_store().create(g.tenant, req.url, list(req.events))), 201
 
 

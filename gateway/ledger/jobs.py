@@ -118,6 +118,8 @@ class JobService:
     def render(spec: JobSpec, job_id: str, job: dict[str, str], leased: int) -> dict[str, Any]:
         """The view of a job from its spec, its (checked) record and its number of leased batches."""
         done, total = int(job["items_done"]), spec.total_hint
+        if total is None and job["exhausted"] == "1":  # read to the end: the count is known now
+            total = max(int(job.get("items_planned") or 0), done) or None
         created, updated = int(job["created_ms"]), int(job["updated_ms"])
         elapsed_s = max((updated - created) / 1000, 1e-3)
         rate = done / elapsed_s if done else 0.0

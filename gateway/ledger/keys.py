@@ -84,6 +84,9 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
 ``<p>:quota:prune:{<tenant>}``        string  the last prune of the active set; PX 1 s (one a second)
 ``<p>:boot``                          hash    the deployment's generation: live processes (deadline
                                               each) and whether start-up recovery is decided; boot.lua
+``<p>:console:session:<sha256>``      hash    a web console session (tenant, CSRF token, a digest of
+                                              the token it signed in with); keyed by the SHA-256 of
+                                              the cookie's session id; TTL 12 h (console/sessions.py)
 ===================================  ======  ===============================================
 
 The quota keys end with the tenant name as the hash tag: one slot per tenant (quota.lua touches two
@@ -283,6 +286,10 @@ class Keys:
     def events_pending(self) -> str:
         return f"{self.prefix}:events:pending"
 
+    def alive(self, role: str) -> str:
+        """Liveness beats of one role's processes (liveness.py)."""
+        return f"{self.prefix}:alive:{role}"
+
     @property
     def boot(self) -> str:
         return f"{self.prefix}:boot"
@@ -290,3 +297,8 @@ class Keys:
     def idempotency_claim(self, tenant: str, key: str) -> str:
         digest = hashlib.sha256(key.encode()).hexdigest()
         return f"{self.prefix}:idemclaim:{tenant}:{digest}"
+
+    def console_session(self, session_id: str) -> str:
+        """A console session, by the digest of its id: the key names no usable cookie."""
+        digest = hashlib.sha256(session_id.encode()).hexdigest()
+        return f"{self.prefix}:console:session:{digest}"

@@ -15,7 +15,11 @@ again (``track``). Only a pass that reads each member's status removes ids: jobs
 or gone (retention expired them: no record, but in the tenant's job index, which is written with the
 record), or without a record past a grace for creations still in progress. So the set never
 misses an active job, and whatever ends a job (its last batch, cancel, expiry, deletion) needs no hook.
-The pass runs when the set is full, at most once a second per tenant, before a creation is refused.
+The pass runs when the set is full, at most once a second per tenant, before a creation is refused
+(a creation that finds another process's pass under way waits 100 ms for it and asks again). The
+supervisor also drops a job's id when it retires the job succeeded or cancelled, so the set holds about
+the tenant's unfinished jobs, not every job of the last five minutes (the soak's 20,000 short jobs
+filled it to the default limit of 10,000, and creations racing for one prune pass were refused).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ CREATION_GRACE = timedelta(minutes=5)
 #: Retry-After for a refusal on active jobs: when one ends cannot be known; this is a polite pace.
 ACTIVE_RETRY_AFTER = timedelta(seconds=5)
 PRUNE_EVERY = timedelta(seconds=1)
+PRUNE_WAIT = timedelta(milliseconds=100)  # a refused creation waits this long for another's prune
 MINUTE_MS, SECOND_MS = 60_000, 1_000
 
 
@@ -66,7 +71,11 @@ class Quotas:
         elif quota.job_creations_per_minute <= 0:
             return
         res = self._script(keys=keys, args=args)
-        if res[0] == "active" and self.prune(tenant):
+        if res[0] == "active":
+            # prune, or (another process holds this second's prune) give its prune a moment; either
+            # way ask again: a set full of finished jobs must not refuse a creation
+            if not self.prune(tenant):
+                time.sleep(PRUNE_WAIT.total_seconds())
             res = self._script(keys=keys, args=args)
         if res[0] == "rate":
             raise self._rate_refusal(tenant, "job_creations_per_minute", quota.job_creations_per_minute,

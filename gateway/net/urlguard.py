@@ -189,6 +189,29 @@ def url_host_port(url: str) -> tuple[str, int]:
     return host, port
 
 
+#: names that stand for this machine whatever DNS says (RFC 6761: localhost and every name under it)
+LOCAL_NAMES = ("localhost",)
+
+
+def check_url_shape(url: str, allow: Allowlist) -> None:
+    """Raise UnsafeURL for what the URL itself shows to be refused, resolving nothing: a scheme other
+    than http(s), no host, a bad port, a host written as a refused address (``http://10.0.0.1``,
+    ``http://0x7f000001``), or a name for this machine (``localhost``). Flow registration and
+    subscriptions use it: a target on ``api.dify.ai`` registers where that name does not resolve (an
+    offline build machine), and each call is checked on connection by the guarded session anyway."""
+    host, _ = url_host_port(url)
+    if allow.admits_host(host):
+        return
+    ip = numeric_host(host)
+    if ip is not None:
+        if not allow.admits(ip) and (why := forbidden(ip)):
+            raise _refusal(host, ip, why)
+        return
+    if host in LOCAL_NAMES or host.endswith(".localhost"):
+        raise UnsafeURL(f"host {host!r} names this machine (a loopback address); add it to "
+                        "BATCHGATE_OUTBOUND_ALLOW to call it")
+
+
 def check_url(url: str, allow: Allowlist) -> None:
     """Raise UnsafeURL unless ``url`` is http(s) and every address of its host may be called now.
 

@@ -49,6 +49,7 @@ from connectors.base import (
     Retry,
     Running,
     StageCall,
+    WaitingHuman,
 )
 from gateway.errors import BatchgateError, JobCancelled, NotFound, RunTooLong, StaleLease
 from gateway.ledger.embedded import client_for
@@ -59,6 +60,7 @@ from gateway.ledger.records import dumps, loads_or_none
 from gateway.net.keepalive import idle_limit
 from gateway.net.outbound import session_for
 from gateway.net.urlguard import Allowlist, UnsafeURL, check_url
+from gateway.push.resumer import settle_wait
 from gateway.security import sign
 from gateway.settings import Settings
 
@@ -473,7 +475,7 @@ class Dispatcher:
 
     def _act(self, spec: JobSpec, stage: Stage, call: StageCall, seq: int, stage_idx: int, token: str,
              outcome: Outcome | PlatformError, probe: bool = False, remember: bool = True,
-             polled: PollState | None = None) -> None:
+             polled: PollState | None = None, resumed: bool = False) -> None:
         job_id, attempt = spec.job_id, call.envelope["attempt"]
         where = {"seq": seq, "stage": stage.name, "attempt": attempt}
         tid = target_id(stage.target)
@@ -492,6 +494,13 @@ class Dispatcher:
                                  **outcome.platform_ids)
                 self._remember_run(spec, seq, token, outcome.handle)
                 self._schedule_poll(spec, stage, seq, stage_idx, attempt, token, outcome.handle)
+                return
+            if isinstance(outcome, WaitingHuman) and outcome.resume is not None and outcome.watch:
+                # a person decides it (an approval), or decided it already and the run was never resumed
+                after = settle_wait(self, spec, seq, stage_idx, token, outcome, where, resumed)
+                if after is not None:
+                    self._act(spec, stage, call, seq, stage_idx, token, after, remember=remember,
+                              polled=polled, resumed=True)
                 return
             if isinstance(outcome, PlatformError) and outcome.code == WAITING_HUMAN:
                 # shown as waiting on a person, with the platform's prompt; the batch fails with the type

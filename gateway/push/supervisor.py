@@ -18,11 +18,12 @@ import threading
 import time
 from typing import Any
 
-
+from gateway import logs
 from gateway.errors import BatchgateError, Conflict, CorruptRecord, NotFound
 from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.generation import Generation
 from gateway.ledger.ledger import Ledger
+from gateway.ledger.liveness import Liveness
 from gateway.push.webhooks import Deliverer
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,9 @@ class Supervisor:
         self.generation = Generation(ledger.r, ledger.keys, "supervisor",
                                      lambda gen_ms: self.recover(gen_ms))
         self.stop = threading.Event()
+        # /readyz and `batchgate health supervisor` read it: beats every pass, and within a long pass
+        self.liveness = Liveness(ledger.r, ledger.keys, "supervisor",
+                                 every_s=min(1.0, self.settings.supervisor_interval.total_seconds()))
         self._down_since: float | None = None  # monotonic time Redis was first found unavailable
         self._down_logged = 0.0
 
@@ -121,9 +125,12 @@ class Supervisor:
 
     def tick(self) -> None:
         """One pass: expire due leases of active jobs; retire finished jobs from the active set."""
+        self.liveness.beat(force=True)
         for job_id in self.ledger.r.smembers(self.ledger.keys.active):
+            self.liveness.beat()  # a pass over many jobs: still alive
             try:
-                self._tick_job(job_id)
+                with logs.bind(job_id=job_id):
+                    self._tick_job(job_id)
             except (NotFound, CorruptRecord):
                 self.ledger.r.srem(self.ledger.keys.active, job_id)
                 self.ledger.forget(job_id)
@@ -166,10 +173,13 @@ class Supervisor:
             log.info("supervisor: approval listing filed job_id=%s", job_id)
 
     def _retire(self, job_id: str, status: str) -> None:
+        pipe = self.ledger.r.pipeline(transaction=True)  # its events stay watched by the deliverer
         if status != "failed":
             spec = self.ledger.spec(job_id)
             self.ledger.expire_job(job_id, spec.flow.retention)
-        pipe = self.ledger.r.pipeline(transaction=True)  # its events stay watched by the deliverer
+            # a finished job frees its place in the tenant's active-jobs quota now, not at the next
+            # prune (which runs only once the set is full, and only one process at a time)
+            pipe.srem(self.ledger.keys.quota_active(spec.tenant), job_id)
         pipe.sadd(self.ledger.keys.events_pending, job_id)
         pipe.srem(self.ledger.keys.active, job_id)
         pipe.execute()
@@ -213,6 +223,10 @@ class Supervisor:
         self.deliverer.stop.set()
         webhooks.join(timeout=10)
         self.generation.leave()
+        try:
+            self.liveness.gone()
+        except REDIS_DOWN:
+            pass  # its beat ages out
 
     def _redis_down(self, exc: Exception, doing: str) -> None:
         """Log that Redis is unavailable: at once, then at most every REDIS_DOWN_LOG_S while it lasts."""

@@ -37,8 +37,8 @@ from typing import Any
 import requests
 
 from gateway.errors import BatchgateError
-from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.decisions import links_for
+from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.events import SubscriptionStore, entry_ms, event_id
 from gateway.ledger.ledger import Ledger
 from gateway.net.outbound import session_for

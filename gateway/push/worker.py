@@ -57,7 +57,9 @@ from rq.logutils import setup_loghandlers
 from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 
+from gateway import logs
 from gateway.errors import BatchgateError, CorruptRecord, NotFound
+from gateway.ledger.liveness import Liveness
 from gateway.push import dispatch
 from gateway.push.supervisor import recovery_gate
 
@@ -192,7 +194,10 @@ class PushWorker:
                 job_id, lease = self.work_items.pop()
             try:
                 d = dispatch.dispatcher()
-                d.run_leased(d.ledger.spec(job_id), lease)
+                spec = d.ledger.spec(job_id)
+                with logs.bind(job_id=job_id, seq=lease.seq, stage=lease.stage, attempt=lease.attempt,
+                               tenant=spec.tenant):
+                    d.run_leased(spec, lease)
             except BaseException:  # noqa: BLE001 - one call's failure must not stop the thread
                 log.exception("stage call failed in the worker job_id=%s seq=%s", job_id, lease.seq)
             finally:
@@ -259,10 +264,14 @@ class PushWorker:
 
     def feed(self, burst: bool = False) -> None:
         d = dispatch.dispatcher()
+        # /readyz does not need workers; `batchgate health worker` (a container healthcheck) reads this:
+        # the feeder beats, so a feeder stuck on a dead connection stops beating
+        liveness = Liveness(d.ledger.r, d.ledger.keys, "worker")
         pause = 0.5
         next_rescan = 0.0
         while not self.stop.is_set():
             try:
+                liveness.beat()
                 if self.generation is not None and not self.generation.ready():
                     self.stop.wait(FEED_IDLE_S)  # another process is deciding a restart's recovery
                     continue

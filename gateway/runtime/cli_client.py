@@ -1,227 +1,387 @@
-"""CLI commands that talk to a running gateway over HTTP: jobs and flows."""
+"""The CLI commands that talk to a running gateway over HTTP (flows, jobs), built on gateway/client.py.
+
+They need no server settings: the gateway is found by --url/--token, BATCHGATE_URL/BATCHGATE_TOKEN, else
+the `batchgate up` running here (Client.discover). A problem answer prints its detail and each of its
+``errors[]`` (exit 1); an unreachable gateway says where it looked.
+"""
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
-import os
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlencode
 from typing import Any
 
-import requests
+import click
 import yaml
 
-from gateway.settings import Settings
+from gateway.client import TERMINAL, Client, Problem, Unreachable
 
-TERMINAL = ("succeeded", "failed", "cancelled")
-
-
-class CliError(Exception):
-    """A problem response or an unreachable gateway, worded for a terminal."""
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100, "terminal_width": 100}
+STATUSES = ("running", "paused", "held", "waiting_human", "succeeded", "failed", "cancelled")
+BATCH_STATUSES = ("pending", "leased", "completed", "failed", "superseded", "waiting_human")
 
 
-class Client:
-    """Bearer-authenticated JSON calls to the gateway."""
-
-    def __init__(self, base_url: str, token: str | None) -> None:
-        self.base = base_url.rstrip("/")
-        self.session = requests.Session()
-        if token:
-            self.session.headers["Authorization"] = f"Bearer {token}"
-
-    def call(self, method: str, path: str, body: Any = None) -> Any:
-        try:
-            resp = self.session.request(method, self.base + path, json=body, timeout=30)
-        except requests.ConnectionError as exc:
-            raise CliError(f"cannot reach batchgate at {self.base}: is `batchgate up` running?") from exc
-        if resp.status_code == 204:
-            return None
-        data = resp.json() if resp.content else None
-        if resp.status_code >= 400:
-            detail = data.get("detail") if isinstance(data, dict) else resp.text
-            raise CliError(f"{resp.status_code} {detail}")
-        return data
+def connection_options(fn):
+    """--url and --token on every HTTP command."""
+    fn = click.option("--token", default=None, envvar="BATCHGATE_TOKEN", show_envvar=True,
+                      help="bearer token (default: the dev token of the `up` running here)")(fn)
+    fn = click.option("--url", default=None, envvar="BATCHGATE_URL", show_envvar=True,
+                      help="gateway URL (default: the `up` running here, else http://127.0.0.1:8080)")(fn)
+    return fn
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Attach ``jobs`` and ``flows`` to the top-level parser."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", default=None, help="gateway URL (default BATCHGATE_PUBLIC_URL, else http://HOST:PORT)")
-    common.add_argument("--token", default=None, help="bearer token (default $BATCHGATE_TOKEN)")
+def http_command(group: click.Group, name: str | None = None, **kwargs):
+    """A command of ``group`` that gets a ``client`` and turns problems into messages and exit 1."""
+    def wrap(fn):
+        @group.command(name, context_settings=CONTEXT, **kwargs)
+        @connection_options
+        @functools.wraps(fn)
+        def command(url: str | None, token: str | None, **params: Any) -> int:
+            client = Client.discover(url=url, token=token)
+            try:
+                return fn(client, **params) or 0
+            except Problem as exc:
+                click.echo(f"batchgate: {exc}", err=True)
+                if exc.status == 401:
+                    click.echo(f"batchgate: {_token_hint(client)}", err=True)
+                return 1
+            except Unreachable as exc:
+                where = client.found.url_from if client.found else "--url"
+                click.echo(f"batchgate: {exc}; the address came from {where}. Is `batchgate up` (or "
+                           "serve) running? Set --url or BATCHGATE_URL otherwise.", err=True)
+                return 1
+        return command
+    return wrap
 
-    jobs = sub.add_parser("jobs", help="list, show, pause, resume, cancel, release, migrate jobs")
-    jsub = jobs.add_subparsers(metavar="action", required=True)
-    ls = jsub.add_parser("list", parents=[common])
-    ls.add_argument("--status")
-    ls.add_argument("--flow", help="only jobs of this flow (FLOW or FLOW@VERSION)")
-    ls.add_argument("--since", help="created at or after (epoch ms or ISO 8601)")
-    ls.add_argument("--until", help="created before (epoch ms or ISO 8601)")
-    ls.add_argument("--oldest", action="store_true", help="oldest first")
-    ls.add_argument("--limit", type=int, default=100, help="jobs per page (1-1000)")
-    ls.add_argument("--all", action="store_true", help="follow every page (else: the first, and a hint)")
-    ls.set_defaults(func=jobs_list)
-    show = jsub.add_parser("show", parents=[common])
-    show.add_argument("job_id")
-    show.add_argument("--watch", action="store_true", help="live progress bar until the job ends")
-    show.set_defaults(func=jobs_show)
-    for action in ("pause", "cancel", "retry-failed", "release"):
-        p = jsub.add_parser(action, parents=[common])
-        p.add_argument("job_id")
-        p.set_defaults(func=jobs_action, action=action)
-    resume = jsub.add_parser("resume", parents=[common])
-    resume.add_argument("job_id")
-    resume.add_argument("--cursor", help="JSON cursor to re-plan from (rewind, or skip a bad range)")
-    resume.add_argument("--reason", default="")
-    resume.set_defaults(func=jobs_resume)
-    migrate = jsub.add_parser("migrate", parents=[common],
-                              help="move a paused or failed job to another version of its flow")
-    migrate.add_argument("job_id")
-    migrate.add_argument("--flow-version", required=True, help="the version to move to")
-    migrate.add_argument("--reason", required=True, help="why (kept in the job's audit trail)")
-    migrate.set_defaults(func=jobs_migrate)
 
-    flows = sub.add_parser("flows", help="apply flow definitions")
-    fsub = flows.add_subparsers(metavar="action", required=True)
-    apply = fsub.add_parser("apply", parents=[common])
-    apply.add_argument("-f", "--file", action="append", required=True, type=Path,
-                       help="YAML or JSON file (one flow, or a list); repeatable")
-    apply.set_defaults(func=flows_apply)
+def _token_hint(client: Client) -> str:
+    found = client.found
+    if found is None or found.token_from is None:
+        return ("no token was sent: set BATCHGATE_TOKEN or --token (a `batchgate up` started without "
+                "BATCHGATE_TOKENS keeps a development token in its data dir, found automatically)")
+    return f"the token came from {found.token_from}; is it one of the gateway's BATCHGATE_TOKENS?"
 
 
 def print_json(value: Any) -> None:
-    json.dump(value, sys.stdout, indent=2, sort_keys=True)
-    sys.stdout.write("\n")
+    click.echo(json.dumps(value, indent=2, sort_keys=True))
 
 
-def default_token(settings: Settings) -> str | None:
-    """BATCHGATE_TOKEN, else the all-in-one's development token if one exists."""
-    token = os.environ.get("BATCHGATE_TOKEN")
-    if token:
-        return token
-    return settings.dev_token()
-
-
-def client_from(args: argparse.Namespace) -> Client:
-    settings = Settings()
-    url = args.url or settings.base_url()  # BATCHGATE_PUBLIC_URL, else http://HOST:PORT
-    return Client(url, args.token or default_token(settings))
-
-
-def _run(fn):
-    def wrapped(args: argparse.Namespace) -> int:
+def json_or_file(value: str | None, what: str) -> Any:
+    """``'{"a": 1}'`` or ``@path`` (JSON or YAML) -> the value; a clear error for bad input."""
+    if value is None:
+        return None
+    if value.startswith("@"):
+        path = Path(value[1:])
         try:
-            return fn(args) or 0
-        except CliError as exc:
-            print(f"batchgate: {exc}", file=sys.stderr)
-            return 1
-    return wrapped
-
-
-@_run
-def jobs_list(args: argparse.Namespace) -> int:
-    flow_id, _, version = (args.flow or "").partition("@")
-    params = {"status": args.status, "flow_id": flow_id or None, "flow_version": version or None,
-              "created_after": args.since, "created_before": args.until,
-              "order": "oldest" if args.oldest else None, "limit": args.limit}
-    client = client_from(args)
-    path: str | None = "/v1/jobs?" + urlencode({k: v for k, v in params.items() if v is not None})
-    while path:
-        page = client.call("GET", path)
-        for job in page["jobs"]:
-            print(f"{job['job_id']}  {job['status']:<10} {job['flow']['id']}@{job['flow']['version']}  "
-                  f"{job['items_done']} items, {job['batches']['completed']}/{job['batches']['planned']} "
-                  "batches")
-        path = page.get("next")
-        if path and not args.all:
-            print(f"(more: --all, or GET {path})", file=sys.stderr)
-            break
-    return 0
-
-
-@_run
-def jobs_show(args: argparse.Namespace) -> int:
-    client = client_from(args)
-    if not args.watch:
-        print_json(client.call("GET", f"/v1/jobs/{args.job_id}"))
-        return 0
-    job = watch(client, args.job_id)
-    return 0 if job["status"] == "succeeded" else 1
-
-
-def watch(client: Client, job_id: str, interval_s: float = 0.5, stream=sys.stdout) -> dict:
-    """Redraw a progress bar until the job reaches a terminal status; returns the final view."""
-    while True:
-        job = client.call("GET", f"/v1/jobs/{job_id}")
-        stream.write("\r" + progress_line(job))
-        stream.flush()
-        if job["status"] in TERMINAL:
-            stream.write("\n")
-            return job
-        time.sleep(interval_s)
-
-
-def progress_line(job: dict, width: int = 30) -> str:
-    """``[#####.....]  52.0% 260/500 items  ETA 20s  ...  running``; files: ``1.2/2.3 MB, 260 items``.
-
-    No bar when neither the item count nor the source's size in bytes is known.
-    """
-    done, total = job["items_done"], job.get("items_total")
-    batches = job["batches"]
-    tail = (f"{batches['completed']}/{batches['planned']} batches  "
-            f"{job['rate_items_per_s']:.1f} items/s  {job['status']:<10}")
-    if total:
-        frac, amount = min(done / total, 1.0), f"{done}/{total} items"
-    elif job.get("progress") is not None and job.get("bytes_total"):
-        frac = min(job["progress"], 1.0)
-        amount = f"{_mb(job.get('bytes_done') or 0)}/{_mb(job['bytes_total'])} MB, {done} items"
-    else:
-        return f"{done} items  {tail}"
-    bar = "#" * int(frac * width) + "." * (width - int(frac * width))
-    eta = f"ETA {job['eta_s']:.0f}s" if job.get("eta_s") is not None else "ETA -"
-    return f"[{bar}] {frac * 100:5.1f}% {amount}  {eta}  {tail}"
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1_000_000:.1f}"
-
-
-@_run
-def jobs_action(args: argparse.Namespace) -> int:
-    print_json(client_from(args).call("POST", f"/v1/jobs/{args.job_id}/{args.action}"))
-    return 0
-
-
-@_run
-def jobs_resume(args: argparse.Namespace) -> int:
-    body: dict[str, Any] = {"reason": args.reason}
-    if args.cursor is not None:
+            text = path.read_text()
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint=what) from None
         try:
-            body["cursor"] = json.loads(args.cursor)
-        except ValueError as exc:
-            raise CliError(f"--cursor is not JSON: {exc}") from exc
-    print_json(client_from(args).call("POST", f"/v1/jobs/{args.job_id}/resume", body))
-    return 0
+            return yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+        except (ValueError, yaml.YAMLError) as exc:
+            raise click.BadParameter(f"{path} is not valid: {exc}", param_hint=what) from None
+    try:
+        return json.loads(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON ({exc}); give JSON or @file", param_hint=what) from None
 
 
-@_run
-def jobs_migrate(args: argparse.Namespace) -> int:
-    body = {"flow_version": args.flow_version, "reason": args.reason}
-    print_json(client_from(args).call("POST", f"/v1/jobs/{args.job_id}/migrate", body))
-    return 0
+def flow_ref(value: str) -> tuple[str, str | None]:
+    flow_id, _, version = value.partition("@")
+    return flow_id, version or None
 
 
-@_run
-def flows_apply(args: argparse.Namespace) -> int:
-    client = client_from(args)
-    for path in args.file:
+# -- flows -----------------------------------------------------------------------------------------
+
+@click.group(context_settings=CONTEXT)
+def flows() -> None:
+    """Register, list and show flow definitions (YAML or JSON)."""
+
+
+@http_command(flows, "apply")
+@click.option("-f", "--file", "files", multiple=True, required=True, type=click.Path(path_type=Path),
+              help="YAML or JSON file (one flow, or a list); repeatable")
+def flows_apply(client: Client, files: tuple[Path, ...]) -> int:
+    """Register every flow in the files (an identical version again is fine; a changed one is refused)."""
+    for path in files:
         try:
             loaded = yaml.safe_load(path.read_text())
         except (OSError, yaml.YAMLError) as exc:
-            raise CliError(f"{path}: {exc}") from exc
+            raise click.BadParameter(f"{path}: {exc}", param_hint="--file") from None
         for flow in loaded if isinstance(loaded, list) else [loaded]:
-            record = client.call("POST", "/v1/flows", flow)
-            print(f"{path}: flow {record['flow']['id']}@{record['flow']['version']} {record['hash'][:12]}")
+            record = client.apply_flow(flow)
+            click.echo(f"{path}: flow {record['flow']['id']}@{record['flow']['version']} "
+                       f"{record['hash'][:12]}")
     return 0
+
+
+@http_command(flows, "list")
+def flows_list(client: Client) -> int:
+    """Every version of every flow of your tenant."""
+    records = client.flows()
+    if not records:
+        click.echo("no flows yet: batchgate flows apply -f flow.yaml", err=True)
+    for record in records:
+        stages = ", ".join(s["name"] for s in record["flow"]["stages"])
+        click.echo(f"{record['flow']['id']}@{record['flow']['version']}  {record['hash'][:12]}  {stages}")
+    return 0
+
+
+@http_command(flows, "show")
+@click.argument("flow")
+def flows_show(client: Client, flow: str) -> int:
+    """FLOW or FLOW@VERSION as JSON (the latest version without one)."""
+    print_json(client.flow(*flow_ref(flow)))
+    return 0
+
+
+# -- jobs ------------------------------------------------------------------------------------------
+
+@click.group(context_settings=CONTEXT)
+def jobs() -> None:
+    """Create, list, watch and steer jobs."""
+
+
+@http_command(jobs, "create")
+@click.option("--flow", "flow", required=True, metavar="ID[@VERSION]", help="the flow (latest version if none)")
+@click.option("--source", default=None, metavar="JSON|@FILE", help="the job's source (else the flow's)")
+@click.option("--params", default=None, metavar="JSON|@FILE", help="params every stage receives")
+@click.option("--idempotency-key", default=None, help="the same key and body again returns the same job")
+@click.option("--watch", is_flag=True, help="then show progress until the job ends (exit 1 unless it succeeds)")
+def jobs_create(client: Client, flow: str, source: str | None, params: str | None,
+                idempotency_key: str | None, watch: bool) -> int:
+    """Start a job; prints its id (and, with --watch, its progress)."""
+    flow_id, version = flow_ref(flow)
+    job = client.create_job(flow_id, version, json_or_file(params, "--params"),
+                            json_or_file(source, "--source"), idempotency_key)
+    click.echo(job["job_id"])
+    if not watch:
+        return 0
+    final = watch_job(client, job["job_id"])
+    return 0 if final["status"] == "succeeded" else 1
+
+
+@http_command(jobs, "list")
+@click.option("--status", type=click.Choice(STATUSES), default=None)
+@click.option("--flow", default=None, metavar="ID[@VERSION]", help="only jobs of this flow")
+@click.option("--since", default=None, help="created at or after (epoch ms or ISO 8601)")
+@click.option("--until", default=None, help="created before (epoch ms or ISO 8601)")
+@click.option("--oldest", is_flag=True, help="oldest first")
+@click.option("--limit", type=click.IntRange(1, 1000), default=100, show_default=True, help="jobs per page")
+@click.option("--all", "all_pages", is_flag=True, help="follow every page (else the first, and a hint)")
+def jobs_list(client: Client, status: str | None, flow: str | None, since: str | None, until: str | None,
+              oldest: bool, limit: int, all_pages: bool) -> int:
+    """Your tenant's jobs, newest first: id, status, flow, items and batches done."""
+    flow_id, version = flow_ref(flow) if flow else (None, None)
+    page = client.jobs_page(status=status, flow_id=flow_id, flow_version=version, created_after=since,
+                            created_before=until, order="oldest" if oldest else None, limit=limit)
+    shown = 0
+    while True:
+        for job in page.items:
+            click.echo(job_line(job))
+            shown += 1
+        if not page.next:
+            break
+        if not all_pages:
+            click.echo(f"(more: --all, or GET {page.next})", err=True)
+            break
+        page = client.jobs_page(cursor_path=page.next)
+    if not shown:
+        click.echo("no jobs" + (" with these filters" if any((status, flow, since, until)) else ""), err=True)
+    return 0
+
+
+def job_line(job: dict[str, Any]) -> str:
+    status = job["status"]
+    waiting = job.get("waiting")
+    if waiting:  # batches waiting on an unavailable platform: not plain running
+        status += f" (waiting: {waiting.get('target') or 'target'} {waiting.get('reason')})"
+    return (f"{job['job_id']}  {status:<10} {job['flow']['id']}@{job['flow']['version']}  "
+            f"{job['items_done']} items, {job['batches']['completed']}/{job['batches']['planned']} batches")
+
+
+@http_command(jobs, "show")
+@click.argument("job_id")
+@click.option("--watch", is_flag=True, help="a live progress bar until the job ends (exit 1 unless it succeeds)")
+def jobs_show(client: Client, job_id: str, watch: bool) -> int:
+    """One job as JSON: status, committed cursor, batch counts, progress, errors."""
+    if not watch:
+        print_json(client.job(job_id))
+        return 0
+    final = watch_job(client, job_id)
+    return 0 if final["status"] == "succeeded" else 1
+
+
+@http_command(jobs, "batches")
+@click.argument("job_id")
+@click.option("--status", type=click.Choice(BATCH_STATUSES),
+              default=None)
+@click.option("--after", type=int, default=-1, help="batches after this seq")
+@click.option("--limit", type=click.IntRange(1, 1000), default=100, show_default=True,
+              help="batches at most")
+def jobs_batches(client: Client, job_id: str, status: str | None, after: int, limit: int) -> int:
+    """Batch summaries in seq order: status, stage, attempts, error."""
+    rows = client.batches(job_id, status=status, after=after, limit=limit)
+    if not rows:
+        click.echo("no batches" + (f" {status}" if status else ""), err=True)
+    for b in rows:
+        error = f"  {b.get('error_type') or ''} {b['error']}" if b.get("error") else ""
+        click.echo(f"#{b['seq']:<6} {b['status']:<10} stage {b.get('stage') or '-':<12} "
+                   f"attempt {b.get('attempt', 0)}{error}")
+    return 0
+
+
+def _entries(fetch, job_id: str, limit: int, follow: bool) -> None:
+    after = None
+    while True:
+        entries = fetch(job_id, after=after, limit=limit)
+        for e in entries:
+            fields = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
+                              for k, v in e.items() if k not in ("id", "at_ms", "at", "event"))
+            click.echo(f"{e.get('at', e['id'])}  {e.get('event', ''):<18} {fields}")
+            after = e["id"]
+        if not follow:
+            return
+        time.sleep(1.0)
+
+
+@http_command(jobs, "log")
+@click.argument("job_id")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=200, show_default=True,
+              help="entries per request")
+@click.option("--follow", "-f", is_flag=True, help="keep printing new entries (Ctrl-C to stop)")
+def jobs_log(client: Client, job_id: str, limit: int, follow: bool) -> int:
+    """The execution log: planned, stage started and completed, retries, failures..."""
+    _entries(client.log, job_id, limit, follow)
+    return 0
+
+
+@http_command(jobs, "audit")
+@click.argument("job_id")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=200, show_default=True,
+              help="entries at most")
+def jobs_audit(client: Client, job_id: str, limit: int) -> int:
+    """Control events with actor, reason and time: created, paused, resumed, cursor moved, migrated..."""
+    _entries(client.audit, job_id, limit, False)
+    return 0
+
+
+def _action(name: str, doc: str, call) -> None:
+    @http_command(jobs, name, help=doc)
+    @click.argument("job_id")
+    def command(client: Client, job_id: str) -> int:
+        print_json(call(client, job_id))
+        return 0
+
+
+_action("pause", "Hand out no new batches (batches in flight may still finish).", Client.pause)
+_action("retry-failed", "Re-open failed batches (a failed job runs again).", Client.retry_failed)
+_action("release", "Let a held job (record-only recovery) run again.", Client.release)
+
+
+@http_command(jobs, "cancel")
+@click.argument("job_id")
+@click.option("--reason", default=None, help="kept in the audit trail")
+def jobs_cancel(client: Client, job_id: str, reason: str | None) -> int:
+    """Final: voids every lease; answers that came later change nothing."""
+    print_json(client.cancel(job_id, reason))
+    return 0
+
+
+@http_command(jobs, "resume")
+@click.argument("job_id")
+@click.option("--cursor", default=None, metavar="JSON|@FILE", help="re-plan from this cursor (rewind, skip)")
+@click.option("--reason", default=None, help="kept in the audit trail")
+def jobs_resume(client: Client, job_id: str, cursor: str | None, reason: str | None) -> int:
+    """Run a paused, failed or held job again (with --cursor: from that cursor)."""
+    print_json(client.resume(job_id, json_or_file(cursor, "--cursor"), reason))
+    return 0
+
+
+@http_command(jobs, "migrate")
+@click.argument("job_id")
+@click.option("--flow-version", required=True, help="the version of the job's flow to move to")
+@click.option("--reason", required=True, help="why (kept in the job's audit trail)")
+def jobs_migrate(client: Client, job_id: str, flow_version: str, reason: str) -> int:
+    """Move a paused or failed job to another version of its flow (stages in use must stay)."""
+    print_json(client.migrate(job_id, flow_version, reason))
+    return 0
+
+
+# -- progress --------------------------------------------------------------------------------------
+
+class ProgressBar:
+    """A job's progress as a tqdm bar, redrawn from each job view given to :meth:`update`.
+
+    Items when the total is known (sequences, inline lists, files once read to the end); bytes of the
+    file read when only the size is (jsonl/csv); a count and a rate otherwise (URL sources)."""
+
+    def __init__(self, label: str, stream=None) -> None:
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.bar = None
+        self.unit: str | None = None
+
+    def update(self, job: dict[str, Any]) -> None:
+        from tqdm import tqdm
+
+        total, done, unit = _measure(job)
+        if self.bar is None or unit != self.unit:
+            self.close()
+            self.unit = unit
+            self.bar = tqdm(total=total, unit=unit, unit_scale=unit == "B", file=self.stream,
+                            dynamic_ncols=True, leave=True, desc=self.label, mininterval=0)
+        self.bar.total = total
+        self.bar.set_postfix_str(_postfix(job, unit), refresh=False)
+        if done >= self.bar.n:
+            self.bar.update(done - self.bar.n)  # tqdm's rate and ETA follow what moved, and when
+        else:  # a rewind: the count starts over
+            self.bar.n = done
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def watch_job(client: Client, job_id: str, interval_s: float = 0.5, stream=None) -> dict[str, Any]:
+    """A progress bar until the job ends; returns the final view."""
+    bar = ProgressBar(job_id[-8:], stream)
+    try:
+        while True:
+            job = client.job(job_id)
+            bar.update(job)
+            if job["status"] in TERMINAL:
+                return job
+            time.sleep(interval_s)
+    finally:
+        bar.close()
+
+
+def _measure(job: dict[str, Any]) -> tuple[float | None, float, str]:
+    """(total, done, unit): a file's bytes from start to end (one unit for the whole run, so the
+    bar never jumps when the item count becomes known), else items, with their total if known."""
+    if job.get("bytes_total"):
+        return job["bytes_total"], job.get("bytes_done") or 0, "B"
+    return job.get("items_total") or None, job["items_done"], "items"
+
+
+def _postfix(job: dict[str, Any], unit: str | None = None) -> str:
+    b = job["batches"]
+    parts = [job["status"], f"{b['completed']}/{b['planned']} batches"]
+    if unit == "B":
+        parts.insert(1, f"{job['items_done']} items")
+    if b.get("failed"):
+        parts.append(f"{b['failed']} failed")
+    if job.get("waiting"):
+        parts.append(f"waiting: {job['waiting'].get('reason')}")
+    return ", ".join(parts)
+
+
+def register(root: click.Group) -> None:
+    root.add_command(flows)
+    root.add_command(jobs)

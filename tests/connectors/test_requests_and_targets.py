@@ -174,7 +174,7 @@ def test_validated_targets_validate_again_unchanged():
     ({"type": "coze", "token_secret": "T"}, "coze target: workflow_id is required"),
     ({**COZE_MIN, "bot_id": "b", "app_id": "a"}, "bot_id and app_id exclude each other"),
     ({**COZE_MIN, "studio": "yes"}, "studio must be true or false"),
-    ({**COZE_MIN, "mode": "stream"}, "mode must be one of sync, async"),
+    ({**COZE_MIN, "mode": "streaming"}, "mode must be one of sync, async, stream"),
 ])
 def test_invalid_targets(target, fragment):
     with pytest.raises(ValueError) as info:

@@ -19,7 +19,8 @@
 -- commit does (lib.lua advance); reject fails the batch for good with error type 'rejected' through
 -- fail_attempt, so the failure budget decides the job. A platform approval with a run to resume
 -- (record 'platform') approved goes back to its stage's ready set without spending an attempt: the
--- next attempt collects the resumed run's answer.
+-- next attempt collects the resumed run's answer. A platform record keeps the decision's output
+-- (ARGV[4]) as 'output': what the resumer answers the platform's run with.
 use_outbox(KEYS[#KEYS])
 local rec = load(KEYS[3])
 if rec == false then return {'corrupt'} end
@@ -49,6 +50,7 @@ local stage = tonumber(batch['stage'])
 local rchg = {status = decision == 'approve' and 'approved' or 'rejected',
   decision = decision == 'approve' and 'approve' or 'reject', actor = ARGV[2], comment = ARGV[3],
   decided_ms = int(now), edited = ARGV[4] ~= '' and '1' or ''}
+if rec['platform'] ~= '' then rchg['output'] = ARGV[4] end  -- the person's answer, for the resumer
 local jchg = {updated_ms = int(now), n_waiting = int(n_waiting(job, {}) - 1)}
 local bchg = {approval = ''}
 local k = {job = KEYS[1], batch = KEYS[2], items = KEYS[6], leases = KEYS[7], done = KEYS[8],

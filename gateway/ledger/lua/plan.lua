@@ -84,8 +84,10 @@ for i = 1, count do
   start = ARGV[a]
 end
 local last = 7 + 4 * count
+local planned_items = 0
+for i = 1, count do planned_items = planned_items + tonumber(ARGV[7 + 4 * i + 3]) end
 local chg = {next_seq = int(first + count), n_open = int(tonumber(job['n_open']) + count),
-  updated_ms = int(now)}
+  items_planned = int(tonumber(job['items_planned'] or '0') + planned_items), updated_ms = int(now)}
 if (job['src_failures'] or '0') ~= '0' then
   chg['src_failures'] = '0'
   chg['src_error'] = ''
