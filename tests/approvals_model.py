@@ -37,6 +37,7 @@ from gateway.ledger.flows import FlowRegistry, parse_flow
 from gateway.ledger.jobs import JobRequest, JobService
 from gateway.ledger.ledger import Ledger
 from gateway.ledger.records import intact, seal
+from gateway.push.supervisor import Supervisor
 from gateway.settings import Settings
 
 TENANT = "acme"
@@ -60,6 +61,7 @@ class ApprovalMachine(RuleBasedStateMachine):
         self.ledger = Ledger(self.r, self.settings)
         self.registry = FlowRegistry(self.r, self.ledger.keys)
         self.jobs = JobService(self.ledger, self.registry)
+        self.supervisor = Supervisor(self.ledger, name="model")
         self.jobs_made = 0
         self.leases: dict[int, object] = {}  # seq -> the lease this machine holds
         self.committed: dict[tuple[int, int], str] = {}  # (seq, stage) -> c:<stage> when first seen
@@ -209,8 +211,7 @@ class ApprovalMachine(RuleBasedStateMachine):
     def supervisor_tick(self):
         if self.status() in ("held", "cancelled"):
             return
-        self.ledger.approvals.open_ready(self.job_id)
-        self.ledger.approvals.apply_timeouts(self.job_id)
+        self.supervisor._approvals(self.job_id)  # re-opened rounds, timeouts, void, listing repair
 
     @rule()
     def retry_failed(self):

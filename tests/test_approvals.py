@@ -305,3 +305,36 @@ def test_open_script_retried_by_the_same_lease_answers_the_first_approval(ledger
     assert open_raw("someone-else", 2)[0] == "stale"
     assert ledger.job_fields(job)["n_waiting"] == "1"
     assert ledger.r.zcard(k.leases) == 0
+
+
+def test_a_replan_voids_the_old_plans_approvals(ledger, make_job):
+    job = make_job(items=6, max_items=3, stage_defs=gated())
+    opened = score_all(ledger, job)
+    ledger.replan(job, {"type": "offset", "offset": 0}, "tester", "again")
+    assert status(ledger, job) == "running" and ledger.job_fields(job)["n_waiting"] == "0"
+    Supervisor(ledger, name="test").tick()  # the old plan's approvals: nobody can decide them
+    assert all(ledger.approvals.get("acme", a)["status"] == "void" for a in opened.values())
+    assert ledger.approvals.list("acme", "pending")[0] == []
+    with pytest.raises(ApprovalDecided):
+        ledger.approvals.decide("acme", opened[0], "approve", "tenant:acme")
+    again = score_all(ledger, job)  # the new plan waits on new approvals
+    assert sorted(again) == [2, 3] and ledger.approvals.list("acme", "pending")[0]
+
+
+def test_migration_keeps_approval_stages_approval_stages(ledger, make_job, registry):
+    from gateway.ledger.migrate import migrate
+
+    job = make_job(items=3, max_items=3, stage_defs=gated(last=False))
+    score_all(ledger, job)
+    ledger.pause(job, "tester")
+    spec = ledger.spec(job)
+    plain = parse_flow({**spec.flow.model_dump(mode="json"), "version": "2",
+                        "stages": [{"name": "score"}, {"name": "review"}, {"name": "store"}]})
+    with pytest.raises(Conflict) as err:
+        migrate(ledger, spec, plain, plain.content_hash(), "tester", "no approvals")
+    assert err.value.problem()["incompatible"] == ["review"]
+    longer = parse_flow({**spec.flow.model_dump(mode="json"), "version": "3",
+                         "stages": [{"name": "score"}, {"name": "review", "approval": {"timeout": "P1D"}},
+                                    {"name": "store"}]})
+    moved = migrate(ledger, spec, longer, longer.content_hash(), "tester", "a longer timeout")
+    assert moved["to"]["version"] == "3"

@@ -252,18 +252,19 @@ class Approvals:
 
     def decide(self, tenant: str | None, approval_id: str, decision: str, actor: str,
                comment: str = "", output: Any = None, approver: str | None = None,
-               timeout: bool = False) -> tuple[dict[str, Any], bool]:
+               mode: str = "person") -> tuple[dict[str, Any], bool]:
         """Decide an approval (decide.lua); returns (view, decided now). The same decision again answers
         the first record (False); another one raises ApprovalDecided (409). ``approver`` is who decides
         when the approval names approvers (the actor for a token, the link's name for a signed link);
-        ``tenant`` None (the supervisor) skips the tenant wall."""
+        ``tenant`` None (the supervisor) skips the tenant wall and the approvers. ``mode`` "timeout"
+        decides only past the deadline; "void" only records void an approval whose batch moved on."""
         if tenant is None:
             ref = ApprovalRef.parse(approval_id)
             rec = self.record(ref)
         else:
             ref, rec = self.owned(tenant, approval_id)
         allowed = json.loads(rec["approvers"]) if rec.get("approvers") else None
-        if allowed is not None and not timeout and (approver or actor) not in allowed:
+        if allowed is not None and tenant is not None and (approver or actor) not in allowed:
             raise Forbidden(f"{(approver or actor)[:100]} is not an approver of approval {ref.id}")
         spec = self.ledger.spec(ref.job_id)
         k = self.keys.job(ref.job_id)
@@ -275,7 +276,7 @@ class Approvals:
                   k.approvals_due, k.items(ref.seq), k.leases, k.done, k.failed, k.log, *ready,
                   *[k.approval(ref.seq, i, 1) for i in gates], k.events],
             args=[decision, actor[:200], (comment or "")[:2000], "" if output is None else dumps(output),
-                  "timeout" if timeout else "person", spec.stage_count, self.ledger.settings.log_maxlen,
+                  mode, spec.stage_count, self.ledger.settings.log_maxlen,
                   spec.budget_total, spec.flow.tolerated_failure_percentage,
                   gates_arg(spec, first_gate_key), ref.job_id, spec.tenant])
         tag = res[0]
@@ -293,7 +294,7 @@ class Approvals:
             self.file(spec.tenant, ref.id, int(rec["created_ms"]), "void")
             raise ApprovalDecided(f"approval {ref.id} no longer applies: its batch is {res[1]} (the job "
                                   "was re-planned from a cursor)", approval_status="void")
-        if tag in ("not_due", "held"):
+        if tag in ("not_due", "held", "live"):
             raise Conflict(f"approval {ref.id} is not due for its timeout ({tag})")
         if tag == "missing":
             raise NotFound(f"no approval {approval_id[:100]!r}")
@@ -385,7 +386,7 @@ class Approvals:
             decision = TIMEOUT_DECISION.get(rec.get("on_timeout", ""), "reject")
             try:
                 view, _ = self.decide(None, approval_id, decision, TIMEOUT_ACTOR,
-                                      comment="timed out", timeout=True)
+                                      comment="timed out", mode="timeout")
                 out.append((approval_id, view["status"]))
             except (ApprovalDecided, Conflict) as exc:
                 log.info("approval timeout not applied approval=%s: %s", approval_id, exc.detail)
@@ -400,7 +401,12 @@ class Approvals:
         pipe = self.r.pipeline(transaction=False)
         for approval_id in pending:
             pipe.zscore(k.approvals, approval_id)
-        created = pipe.execute()
+            pipe.hmget(k.batch(ApprovalRef.parse(approval_id).seq), "status", "approval")
+        got = pipe.execute()
+        created = got[0::2]
+        for approval_id, (status, waits_on) in zip(pending, got[1::2], strict=True):
+            if status is not None and (status != "waiting_human" or waits_on != approval_id):
+                self._void(approval_id)  # its batch was re-planned (superseded): nobody decides it
         pipe = self.r.pipeline(transaction=False)
         key = self.keys.approval_index(tenant, "pending")
         for approval_id, c in zip(pending, created, strict=True):
@@ -414,6 +420,15 @@ class Approvals:
                 self.file(tenant, approval_id, c, "pending")
                 healed += 1
         return healed
+
+    def _void(self, approval_id: str) -> None:
+        """Record an approval whose batch no longer waits on it as void (decide.lua checks it again)."""
+        try:
+            self.decide(None, approval_id, "reject", "supervisor:replan", mode="void")
+        except ApprovalDecided:
+            pass  # void now (or decided meanwhile): either way out of the pending listing
+        except Conflict as exc:
+            log.info("approval not voided approval=%s: %s", approval_id, exc.detail)
 
     # -- signed decision links ---------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from gateway.errors import Conflict, CorruptRecord, JobCancelled, NotFound, RetryableError
-from gateway.ledger.flows import FlowSpec
+from gateway.ledger.flows import FlowSpec, Stage
 from gateway.ledger.jobspec import JobSpec
 from gateway.ledger.ledger import SPEC_RECHECK_S, Ledger
 from gateway.ledger.records import seal
@@ -33,20 +33,27 @@ RACE_RETRIES = 50
 SPEC_SETTLE_S = SPEC_RECHECK_S + 0.5
 
 
+def _same(before: Stage, after: Stage) -> bool:
+    """A stage is kept when its name is, and it stays an approval stage (or stays not one): a batch
+    waiting on a person there must not find a platform stage, nor a leased batch an approval."""
+    return before.name == after.name and (before.approval is None) == (after.approval is None)
+
+
 def kept_prefix(old: FlowSpec, new: FlowSpec) -> int:
-    """How many leading stages ``new`` keeps from ``old``: same name at the same position."""
+    """How many leading stages ``new`` keeps from ``old``: same name at the same position (_same)."""
     kept = 0
     for before, after in zip(old.stages, new.stages):
-        if before.name != after.name:
+        if not _same(before, after):
             break
         kept += 1
     return kept
 
 
 def incompatible_stages(old: FlowSpec, new: FlowSpec, used: int) -> list[str]:
-    """The stages in use (the first ``used`` of ``old``) that ``new`` drops, renames or moves."""
-    names = [s.name for s in new.stages]
-    return [s.name for i, s in enumerate(old.stages[:used]) if i >= len(names) or names[i] != s.name]
+    """The stages in use (the first ``used`` of ``old``) that ``new`` drops, renames, moves, or turns into
+    an approval stage or out of one."""
+    return [s.name for i, s in enumerate(old.stages[:used])
+            if i >= len(new.stages) or not _same(s, new.stages[i])]
 
 
 def migrate(ledger: Ledger, spec: JobSpec, flow: FlowSpec, flow_hash: str, actor: str,

@@ -6,13 +6,14 @@
 -- KEYS[#KEYS] events: the job's outbox, always the last key (lib.lua use_outbox)
 -- ARGV[1] decision: approve | reject | fail (reject, and the job fails: on_timeout fail)
 -- ARGV[2] actor   ARGV[3] comment   ARGV[4] edited output (JSON; '' = the shown one)
--- ARGV[5] 'timeout' (only once the deadline passed) | 'person'   ARGV[6] number of stages S
+-- ARGV[5] 'timeout' (only once the deadline passed) | 'person' | 'void' (only record the approval void if
+-- its batch no longer waits on it; else {'live'})   ARGV[6] number of stages S
 -- ARGV[7] log maxlen   ARGV[8] budget total   ARGV[9] tolerated failure %
 -- ARGV[10] the flow's approval stages (JSON gates, lib.lua; '' = none)   ARGV[11] job id   ARGV[12] tenant
 -- Returns {'ok', status (approved|rejected), job status, next approval id opened ('')}
 --       | {'decided', status, decision, actor, decided_ms}  (decided before: nothing changes)
 --       | {'void', batch status} (the batch no longer waits on it: re-planned; recorded void)
---       | {'not_due'} | {'cancelled'} | {'held'} | {'missing'} | {'corrupt'}
+--       | {'not_due'} | {'live'} | {'cancelled'} | {'held'} | {'missing'} | {'corrupt'}
 -- Invariant: an approval is decided at most once and a decided one never changes; approve commits the
 -- stage at most once (the batch must be waiting on this very approval) and moves the batch on as a
 -- commit does (lib.lua advance); reject fails the batch for good with error type 'rejected' through
@@ -42,6 +43,7 @@ if not batch or batch['status'] ~= 'waiting_human' or batch['approval'] ~= id th
   redis.call('ZREM', KEYS[5], id)
   return {'void', batch and batch['status'] or 'missing'}
 end
+if ARGV[5] == 'void' then return {'live'} end  -- the supervisor's clean-up decides nothing that waits
 local decision = ARGV[1]
 local seq = batch['seq']
 local stage = tonumber(batch['stage'])
