@@ -71,6 +71,7 @@ def test_a_person_decides_approvals_in_the_console(console, browser, waiting, le
     assert text_of(driver, "#notice").startswith("Approved")
     assert text_of(driver, "#decided-by") == "tenant:acme (console)"
     assert "edited" in text_of(driver, "#decision") and not driver.find_elements("id", "form-approve")
+    assert '"checked": "by hand"' in text_of(driver, "#committed-output")
     lease = ledger.lease(job)
     assert (lease.seq, lease.stage, lease.input) == (0, "store", {"score": 10, "n": 3, "checked": "by hand"})
 
@@ -130,6 +131,7 @@ def test_output_that_is_not_json_is_shown_and_nothing_is_decided(console, waitin
                          data={"csrf": csrf, "output": text, "comment": "typo"})
         assert resp.status_code == 422 and 'id="problem"' in resp.text and says in resp.text, text
         assert "Approve refused" in resp.text and "nothing was decided" in resp.text
+        assert "JSON (not valid JSON" not in resp.text
         assert re.search(r'<textarea id="output"[^>]*>' + re.escape(text.replace('"', "&#34;")), resp.text)
         assert 'value="typo"' in resp.text  # what was typed is kept
     assert ledger.approvals.get("acme", aid)["status"] == "pending"

@@ -19,6 +19,7 @@ from gateway.api.approvals import DecisionRequest, wake
 from gateway.console.auth import NAV, NavItem, bp, current, services
 from gateway.errors import BatchgateError, InvalidRequest, MalformedBody
 from gateway.ledger.approvals import LISTED
+from gateway.ledger.records import loads_or_none
 from gateway.validation import parse, strict_loads
 
 PAGE_SIZE = 25
@@ -97,11 +98,16 @@ def _edit_text(value: Any) -> str:
 
 def render_approval(approval_id: str, problem: dict[str, Any] | None = None, status: int = 200,
                     form: dict[str, str] | None = None) -> tuple[str, int]:
-    view = services().ledger.approvals.get(current().tenant, approval_id)
+    svc = services()
+    view = svc.ledger.approvals.get(current().tenant, approval_id)
     form = form or {}
     notice = None if problem else NOTICES.get(request.args.get("done", ""))
+    committed = None
+    if view["status"] == "approved" and view["decision"] and view["decision"]["edited_output"]:
+        batch = svc.ledger.batch_record(view["job_id"], view["seq"])
+        committed = loads_or_none(batch.get(f"out:{view['stage_index']}"))
     return render_template(
-        "console/approval.html", a=view, problem=problem, notice=notice, form=form,
+        "console/approval.html", a=view, problem=problem, notice=notice, form=form, committed=committed,
         output_text=form["output"] if form.get("action") == "approve" else _edit_text(view["shown_output"]),
     ), status
 
@@ -122,8 +128,9 @@ def _edited_output(text: str, shown: Any) -> Any:
     try:
         value = strict_loads(text.encode())
     except MalformedBody as exc:
-        raise InvalidRequest("output: the edited output is not valid JSON ("
-                             + exc.detail.removeprefix("body is ") + "); nothing was decided") from None
+        why = exc.detail.removeprefix("body is not valid JSON: ").removeprefix("body ")
+        raise InvalidRequest(f"output: the edited output is not valid JSON ({why}); nothing was decided") \
+            from None
     return None if value == shown else value
 
 

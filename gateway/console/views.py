@@ -24,11 +24,12 @@ def when(ms: int | None) -> str:
 
 
 @bp.app_template_filter("console_iso")
-def iso(value: str | None) -> str:
-    """An API timestamp (``2026-12-03T08:30:00.123Z``) as the console shows times, to the second."""
+def iso(value: str | None, utc: bool = True) -> str:
+    """An API timestamp (``2026-12-03T08:30:00.123Z``) as the console shows times, to the second
+    (``utc`` False: without the zone, for a column whose header names it)."""
     if not value:
         return ""
-    return value[:19].replace("T", " ") + " UTC"
+    return value[:19].replace("T", " ") + (" UTC" if utc else "")
 
 
 @bp.app_template_filter("console_json")
