@@ -31,7 +31,8 @@ def score_all(ledger, job_id) -> dict[int, str]:
     """Commit every batch's score stage as a worker would; the approval ids opened, by seq."""
     opened = {}
     while (lease := ledger.lease(job_id)) is not None:
-        ledger.complete(job_id, lease.seq, lease.lease_token, {"score": 10 + lease.seq, "n": len(lease.items)})
+        output = {"score": 10 + lease.seq, "n": len(lease.items)}
+        ledger.complete(job_id, lease.seq, lease.lease_token, output)
         opened[lease.seq] = ledger.batch_record(job_id, lease.seq)["approval"]
     return opened
 
@@ -207,3 +208,22 @@ def test_the_inbox_pages_with_the_listing_cursor(console, ledger, make_job, monk
         assert resp.status_code == 422 and 'id="problem"' in resp.text, bad
     other = signed_in(console, OTHER_TOKEN).get(f"{console}/console/approvals?job={job}", timeout=10)
     assert other.status_code == 404
+
+
+def test_a_platform_approval_shows_the_platforms_prompt(console, ledger, make_job):
+    job = make_job(items=2, max_items=2, stages=("ask",))
+    lease = ledger.lease(job)
+    opened = ledger.open_platform_approval(job, lease.seq, lease.lease_token,
+                                           {"question": "Send the <b>offer</b>?", "to": "ada@example.com"})
+    http = signed_in(console)
+    page = http.get(f"{console}/console/approvals/{opened['approval_id']}", timeout=10)
+    assert page.status_code == 200 and 'id="prompt"' in page.text and 'id="shown-output"' not in page.text
+    assert "Send the &lt;b&gt;offer&lt;/b&gt;?" in page.text  # escaped, never markup
+    assert "The platform's run goes on" in page.text
+    inbox = http.get(f"{console}/console/approvals", timeout=10).text
+    assert opened["approval_id"] in inbox and "platform" in inbox
+    resp = http.post(f"{console}/console/approvals/{opened['approval_id']}/approve", timeout=10,
+                     data={"csrf": csrf_of(page.text), "output": '{"answer": "yes"}'})
+    assert resp.status_code == 200 and "Approved" in resp.text
+    decided = ledger.approvals.get("acme", opened["approval_id"])
+    assert decided["status"] == "approved" and decided["decision"]["edited_output"]
