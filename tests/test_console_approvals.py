@@ -227,3 +227,46 @@ def test_a_platform_approval_shows_the_platforms_prompt(console, ledger, make_jo
     assert resp.status_code == 200 and "Approved" in resp.text
     decided = ledger.approvals.get("acme", opened["approval_id"])
     assert decided["status"] == "approved" and decided["decision"]["edited_output"]
+
+
+def test_redis_away_while_deciding_is_a_503_page_and_the_approval_waits(tmp_path):
+    """Kill the console's Redis with an approval page open: the inbox and the decision are 503 pages
+    (never a 500, nothing half-decided); once Redis is back with its data the same form decides."""
+    from gateway.api.app import create_app
+    from gateway.ledger.embedded import EmbeddedRedis, client_for
+    from gateway.ledger.flows import parse_flow
+    from gateway.ledger.jobs import JobRequest
+    from gateway.settings import Settings
+    from tests.http import serve_app
+
+    server = EmbeddedRedis(tmp_path / "redis")
+    url = server.start()
+    app = create_app(Settings(redis_url=url, data_dir=tmp_path / "data", tokens={TOKEN: "acme"}),
+                     client_for(url))
+    svc = app.extensions["batchgate"]
+    svc.flows.register("acme", parse_flow({"id": "gated", "version": "1", "stages": review_stages(),
+                                           "batching": {"max_items": 3},
+                                           "source": {"type": "sequence", "count": 3}}))
+    job = svc.jobs.create("acme", JobRequest(flow_id="gated"))["job_id"]
+    (aid,) = score_all(svc.ledger, job).values()
+    base, stop = serve_app(app)
+    try:
+        http = signed_in(base)
+        csrf = _approve_form(http, base, aid)
+        server.kill()
+        for method, path in (("GET", "/console/approvals"), ("GET", f"/console/approvals/{aid}"),
+                             ("POST", f"/console/approvals/{aid}/approve")):
+            resp = http.request(method, base + path, data={"csrf": csrf, "output": '{"score": 1}'},
+                                timeout=10, allow_redirects=False)
+            assert resp.status_code == 503 and "cannot be reached" in resp.text, (path, resp.text[:300])
+        server = EmbeddedRedis(tmp_path / "redis")
+        assert server.start() == url
+        assert svc.ledger.approvals.get("acme", aid)["status"] == "pending"
+        resp = http.post(f"{base}/console/approvals/{aid}/approve", timeout=10,
+                         data={"csrf": csrf, "output": '{"score": 1}'})
+        assert resp.status_code == 200 and 'id="decided-by"' in resp.text
+        lease = svc.ledger.lease(job)
+        assert (lease.stage, lease.input) == ("store", {"score": 1})
+    finally:
+        stop()
+        server.stop()
