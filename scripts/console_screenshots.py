@@ -32,8 +32,9 @@ TOKEN = "demo-console-token-0123456789"
 WIDTH = 1280
 
 
-def flow(flow_id: str, version: str, stages: list[str], count: int, **extra) -> object:
-    return parse_flow({"id": flow_id, "version": version, "stages": [{"name": s} for s in stages],
+def flow(flow_id: str, version: str, stages: list[str | dict], count: int, **extra) -> object:
+    return parse_flow({"id": flow_id, "version": version,
+                       "stages": [s if isinstance(s, dict) else {"name": s} for s in stages],
                        "batching": {"max_items": 10}, "source": {"type": "sequence", "count": count},
                        **extra})
 
@@ -75,7 +76,27 @@ def demo_jobs(app) -> dict[str, str]:
     advance(ledger, made["main"], 70, fail_every=23)
     made["fresh"] = jobs.create("acme", JobRequest(flow_id="resume-screening", flow_version="1"))["job_id"]
     advance(ledger, made["fresh"], 12)
+    made["review"] = review_job(ledger, jobs, registry)
     return made
+
+
+def review_job(ledger, jobs, registry) -> str:
+    """A job whose batches wait at an approval stage (a person checks the shortlist before emails go
+    out): four pending, one approved with an edited output."""
+    review = {"name": "review", "approval": {"timeout": 86400, "show": "shortlist", "on_timeout": "reject"}}
+    registry.register("acme", flow("outreach", "1", ["shortlist", review, "email"], 50,
+                                   tolerated_failure_percentage=20))
+    job_id = jobs.create("acme", JobRequest(flow_id="outreach"))["job_id"]
+    names = ["Ada Byron", "Grace Hopper", "Alan Turing", "Edsger Dijkstra", "Barbara Liskov"]
+    while (lease := ledger.lease(job_id)) is not None:
+        picks = [{"candidate": names[(lease.seq + i) % 5], "score": round(0.91 - 0.07 * i, 2),
+                  "reason": "ten years of distributed systems" if i == 0 else "strong match on skills"}
+                 for i in range(3)]
+        ledger.complete(job_id, lease.seq, lease.lease_token, {"shortlist": picks, "template": "intro-v2"})
+    first = ledger.batch_record(job_id, 0)["approval"]
+    ledger.approvals.decide("acme", first, "approve", "tenant:acme (console)", comment="dropped one",
+                            output={"shortlist": [], "template": "intro-v2"})
+    return job_id
 
 
 def browser() -> webdriver.Chrome:
@@ -90,7 +111,8 @@ def browser() -> webdriver.Chrome:
 def shoot(driver, path: Path, full: bool = True) -> None:
     if full:
         height = driver.execute_script("return document.documentElement.scrollHeight")
-        driver.set_window_size(WIDTH, max(600, min(height + 20, 4000)))
+        chrome = driver.execute_script("return window.outerHeight - window.innerHeight")
+        driver.set_window_size(WIDTH, max(600, min(height + 20 + chrome, 4000)))
     time.sleep(0.3)
     driver.save_screenshot(str(path))
     driver.set_window_size(WIDTH, 900)
@@ -133,6 +155,10 @@ def main() -> None:
             driver.find_element("id", "do-migrate").click()
             time.sleep(0.3)
             shoot(driver, out / "migrate-refused.png", full=False)
+            driver.get(f"{base}/console/approvals")
+            shoot(driver, out / "approvals.png")
+            driver.get(f"{base}/console/approvals/{made['review']}.1.1.1")
+            shoot(driver, out / "approval.png")
         finally:
             if driver is not None:
                 driver.quit()

@@ -7,6 +7,7 @@ import logging
 import re
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -52,9 +53,10 @@ class NavItem:
     endpoint: str
     label: str
     section: str  # the item is current on every page whose endpoint starts with this
+    count: Callable[[str], int] | None = None  # a number shown beside the label, given the tenant
 
 
-#: The navigation bar. Another page (an approvals inbox) adds its item here when it registers its routes.
+#: The navigation bar. Another page (the approvals inbox) adds its item here when it registers its routes.
 NAV: list[NavItem] = [NavItem("console.jobs", "Jobs", "console.job")]
 
 
@@ -79,7 +81,20 @@ def services() -> Services:
 
 @bp.context_processor
 def _nav() -> dict[str, Any]:
-    return {"nav_items": NAV, "me": g.get("console_session")}
+    me = g.get("console_session")
+    return {"nav_items": NAV, "me": me, "nav_counts": _nav_counts(me) if me else {}}
+
+
+def _nav_counts(me: Session) -> dict[str, int]:
+    """Each counted nav item's number; none when Redis cannot say (the 503 page renders all the same)."""
+    counts = {}
+    for item in NAV:
+        if item.count is not None:
+            try:
+                counts[item.endpoint] = item.count(me.tenant)
+            except redis.RedisError:
+                pass
+    return counts
 
 
 @bp.before_request

@@ -150,10 +150,14 @@ def _older(job_id: str, arg: str, before: str | None) -> str | None:
 
 
 def batch_counts(view: dict[str, Any]) -> dict[str, int]:
-    """Batches by status from the job's counters (open = pending or leased; the rest superseded)."""
+    """Batches by status from the job's counters (open = pending, leased or waiting for a person; the
+    rest superseded)."""
     b = view["batches"]
+    waiting = b.get("waiting_human", 0)
     counts = {"completed": b["completed"], "failed": b["failed"], "leased": b["leased"],
-              "pending": max(b["open"] - b["leased"], 0)}
+              "pending": max(b["open"] - b["leased"] - waiting, 0)}
+    if "waiting_human" in b:  # a flow with approval stages
+        counts["waiting_human"] = waiting
     counts["superseded"] = max(b["planned"] - b["open"] - b["completed"] - b["failed"], 0)
     return counts
 

@@ -7,6 +7,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
+from gateway.console import approvals as _approvals  # noqa: F401  (the approvals inbox, its nav item)
 from gateway.console import jobs as _jobs  # noqa: F401  (registers the job pages on bp)
 from gateway.console.auth import NAV, bp
 
@@ -20,6 +21,15 @@ def when(ms: int | None) -> str:
     if not ms:
         return ""
     return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+@bp.app_template_filter("console_iso")
+def iso(value: str | None, utc: bool = True) -> str:
+    """An API timestamp (``2026-12-03T08:30:00.123Z``) as the console shows times, to the second
+    (``utc`` False: without the zone, for a column whose header names it)."""
+    if not value:
+        return ""
+    return value[:19].replace("T", " ") + (" UTC" if utc else "")
 
 
 @bp.app_template_filter("console_json")
