@@ -107,7 +107,20 @@ class TextFormatter(logging.Formatter):
 
 
 class _Handler(logging.StreamHandler):
-    """batchgate's own root handler (configure replaces it, never another's)."""
+    """batchgate's own root handler (configure replaces it, never another's). It writes to whatever
+    ``sys.stderr`` is at each line, as logging's last-resort handler does, never to a stream that was
+    stderr once (a test's capture, closed since, would turn every later line into a logging error)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
 
 
 def formatter(fmt: str, secrets: Iterable[str] = ()) -> logging.Formatter:
@@ -120,7 +133,7 @@ def configure(level: str = "INFO", fmt: str = "text", secrets: Iterable[str] = (
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _Handler)]:
         root.removeHandler(old)
-    handler = _Handler(sys.stderr)
+    handler = _Handler()
     handler.setFormatter(formatter(fmt, secrets))
     root.addHandler(handler)
     root.setLevel(level.upper())

@@ -366,6 +366,8 @@ CONTROL = (404, 409, 413, 415)  # POSTs without a body model still refuse a non-
 ROUTES: tuple[Route, ...] = (
     Route("get", "/healthz", "Redis answers", {200: ("Redis answers", "Health")},
           public=True, tags=("health",)),
+    Route("get", "/metrics", "Prometheus metrics (text exposition format)",
+          {200: ("every process's counters and the ledger's state", None)}, public=True, tags=("health",)),
     Route("get", "/livez", "Liveness: the process serves requests", {200: ("alive", "Live")},
           public=True, tags=("health",)),
     Route("get", "/readyz", "Readiness: Redis, the ledger's scripts and a live supervisor",
@@ -509,6 +511,8 @@ def _operation(route: Route) -> dict[str, Any]:
             resp["content"] = {"application/json": {"schema": _ref(schema)}}
         elif route.path == "/openapi.json":
             resp["content"] = {"application/json": {"schema": OBJ}}
+        elif route.path == "/metrics":
+            resp["content"] = {"text/plain": {"schema": {"type": "string"}}}
         if status in (200, 204) and route.path.endswith("/lease"):
             resp["headers"] = {"Batchgate-Job-Status": {
                 "schema": {"enum": list(STATUSES)}, "description": "the job's status: wait or stop"}}
