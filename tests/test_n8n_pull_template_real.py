@@ -107,8 +107,8 @@ class N8n:
         return self.api.request(method, f"{N8N_URL}/api/v1{path}", timeout=30, **kwargs)
 
 
-@pytest.fixture
-def n8n(tmp_path):
+@pytest.fixture(scope="module")
+def n8n(tmp_path_factory):
     if not (N8N_START and N8N_API_KEY):
         pytest.skip("set BATCHGATE_TEST_N8N_PULL_START and BATCHGATE_TEST_N8N_PULL_API_KEY (see this "
                     "module's docstring) to run the pull template on a real n8n")
@@ -117,7 +117,7 @@ def n8n(tmp_path):
         pytest.skip(f"something already answers at {N8N_URL}: stop it, the test must own (and kill) n8n")
     except requests.ConnectionError:
         pass
-    proc = N8n(tmp_path / "n8n.log")
+    proc = N8n(tmp_path_factory.mktemp("n8n") / "n8n.log")
     proc.start()
     yield proc
     proc.kill()
@@ -127,7 +127,7 @@ class Recorder:
     """batchgate's API behind a recorder: every call and answer, the template's ``results_url``, and
     the hold: the ``hold_at``-th complete is not delivered until ``release`` is set."""
 
-    def __init__(self, hold_at: int) -> None:
+    def __init__(self, hold_at: int | None) -> None:
         self.app = None
         self.calls: list[dict] = []
         self.results: list[tuple[str, dict]] = []  # (Idempotency-Key, body) of every results POST
@@ -174,11 +174,11 @@ class Recorder:
 
 
 @pytest.fixture
-def batchgate(settings, redis_client, tmp_path):
+def batchgate(settings, redis_client, tmp_path, request):
     """batchgate's API on a socket behind a Recorder, plus a supervisor (it expires leases)."""
     own = settings.model_copy(update={"data_dir": tmp_path / "data",
                                       "supervisor_interval": timedelta(milliseconds=200)})
-    recorder = Recorder(HOLD_AT)
+    recorder = Recorder(getattr(request, "param", None))
     base, stop_api = serve_app(recorder)
     recorder.app = create_app(own.model_copy(update={"public_url": base}), redis_client)
     sup = Supervisor(Ledger(redis_client, own), name="n8n-pull-real",
@@ -190,9 +190,12 @@ def batchgate(settings, redis_client, tmp_path):
     stop_api()
 
 
-def template_for(base: str, flow_id: str, credential_id: str) -> dict:
-    """pull-loop.json as a user would set it up: the Config node's values and the credential."""
+def template_for(base: str, flow_id: str, credential_id: str, process_prefix: str = "") -> dict:
+    """pull-loop.json as a user would set it up: the Config node's values and the credential (and, for
+    the failure test, lines put before the placeholder's code)."""
     workflow = json.loads((EXAMPLES / "pull-loop.json").read_text())
+    process = next(n for n in workflow["nodes"] if n["name"] == "Process batch (replace me)")
+    process["parameters"]["jsCode"] = process_prefix + process["parameters"]["jsCode"]
     config = next(n for n in workflow["nodes"] if n["name"] == "Config")
     values = {"batchgate_url": base, "flow_id": flow_id, "results_url": f"{base}/results"}
     for assignment in config["parameters"]["assignments"]["assignments"]:
@@ -205,7 +208,7 @@ def template_for(base: str, flow_id: str, credential_id: str) -> dict:
 
 
 @pytest.fixture
-def workflow(n8n, batchgate):
+def workflow(n8n, batchgate, request):
     """The credential and the template, created and activated through n8n's public API."""
     base, _ = batchgate
     flow_id = f"n8n-pull-real-{random.randrange(10**6)}"
@@ -213,7 +216,8 @@ def workflow(n8n, batchgate):
                                                    "data": {"name": "Authorization", "value": f"Bearer {TOKEN}"}})
     assert resp.status_code == 200, resp.text
     credential_id = resp.json()["id"]
-    resp = n8n.call("POST", "/workflows", json=template_for(base, flow_id, credential_id))
+    resp = n8n.call("POST", "/workflows", json=template_for(base, flow_id, credential_id,
+                                                            getattr(request, "param", "")))
     assert resp.status_code == 200, resp.text
     workflow_id = resp.json()["id"]
     resp = n8n.call("POST", f"/workflows/{workflow_id}/activate")
@@ -226,20 +230,40 @@ def workflow(n8n, batchgate):
         n8n.call("DELETE", f"/credentials/{credential_id}")
 
 
+def register(api: ApiClient, flow_id: str, **changes) -> None:
+    """pull-flow.yaml under the test's flow id, in batches of BATCH, with a LEASE_S lease."""
+    flow = yaml.safe_load((EXAMPLES / "pull-flow.yaml").read_text())
+    assert flow["stages"][0]["lease"] >= 300  # as shipped: sized for a real loop
+    flow.update({"id": flow_id, "batching": {"max_items": BATCH}, **changes})
+    flow["stages"][0].update({"lease": LEASE_S, "retry": {"initial_interval": 0.5, "maximum_attempts": 5}})
+    assert api.post("/v1/flows", json=flow).status_code == 201
+
+
+def start_job(api: ApiClient, flow_id: str, resumes: list[dict], **params) -> str:
+    resp = api.post("/v1/jobs", json={"flow_id": flow_id, "params": {"profile": PROFILE, **params},
+                                      "source": {"type": "inline", "items": resumes}})
+    assert resp.status_code == 201, resp.text
+    return resp.json()["job_id"]
+
+
+def wait_done(api: ApiClient, job_ids: list[str], recorder: Recorder, within_s: float = 300) -> list[dict]:
+    deadline = time.monotonic() + within_s
+    while True:
+        jobs = [api.get(f"/v1/jobs/{job_id}").json() for job_id in job_ids]
+        if all(job["status"] != "running" for job in jobs):
+            return jobs
+        assert time.monotonic() < deadline, (jobs, recorder.calls[-5:])
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("batchgate", [HOLD_AT], indirect=True)
 def test_pull_template_runs_a_job_through_a_sigkill_of_n8n(n8n, batchgate, workflow):
     base, recorder = batchgate
     flow_id, _ = workflow
     api = ApiClient(base, TOKEN)
-    flow = yaml.safe_load((EXAMPLES / "pull-flow.yaml").read_text())
-    assert flow["stages"][0]["lease"] >= 300  # as shipped: sized for a real loop
-    flow.update({"id": flow_id, "batching": {"max_items": BATCH}})
-    flow["stages"][0].update({"lease": LEASE_S, "retry": {"initial_interval": 0.5, "maximum_attempts": 5}})
-    assert api.post("/v1/flows", json=flow).status_code == 201
+    register(api, flow_id)
     resumes = make_resumes(ITEMS)
-    resp = api.post("/v1/jobs", json={"flow_id": flow_id, "params": {"profile": PROFILE},
-                                      "source": {"type": "inline", "items": resumes}})
-    assert resp.status_code == 201, resp.text
-    job_id = resp.json()["job_id"]
+    job_id = start_job(api, flow_id, resumes)
 
     # the schedule fires, the loop leases and completes; the HOLD_AT-th complete is held: SIGKILL now
     assert recorder.holding.wait(120), f"no complete held; calls: {recorder.calls[-5:]}"
@@ -255,10 +279,7 @@ def test_pull_template_runs_a_job_through_a_sigkill_of_n8n(n8n, batchgate, workf
     assert api.get(f"/v1/jobs/{job_id}/batches/{held_seq}").json()["status"] == "leased"
 
     boot_s = n8n.start()
-    deadline = time.monotonic() + 300
-    while (job := api.get(f"/v1/jobs/{job_id}").json())["status"] == "running":
-        assert time.monotonic() < deadline, (job, recorder.calls[-5:])
-        time.sleep(0.5)
+    job, = wait_done(api, [job_id], recorder)
     assert job["status"] == "succeeded", job
     assert job["items_done"] == ITEMS and job["batches"].get("completed") == BATCHES, job
 
@@ -303,3 +324,40 @@ def test_pull_template_runs_a_job_through_a_sigkill_of_n8n(n8n, batchgate, workf
     assert all(len(v) == 1 for k, v in by_key.items() if k != held_key)
     print(f"held seq {held_seq} with {committed_at_kill} batches committed; n8n API back {boot_s:.0f} s after "
           f"the restart; leases answered 200: {len([c for c in recorder.of('/lease') if c['status'] == 200])}")
+
+
+# Lines put before the placeholder's code: a batch named in params.fail throws, "fatal" always (the
+# template reports retryable: false), "flaky" on its first attempt only (retryable: true).
+FAILING = """\
+const leased = $('Lease').first().json.body;
+const failing = (leased.params.fail || {})[String(leased.seq)];
+if (failing === 'fatal') { throw new Error('fatal: resume ' + leased.seq + ' cannot be read'); }
+if (failing === 'flaky' && leased.attempt === 1) { throw new Error('model timed out'); }
+"""
+
+
+@pytest.mark.parametrize("workflow", [FAILING], indirect=True)
+def test_pull_template_fails_batches_through_the_error_output_and_works_every_job(n8n, batchgate, workflow):
+    """The placeholder's error output reaches /fail: an error starting "fatal:" fails the batch for good,
+    any other is retried; one execution works through every running job of the flow (204: next job)."""
+    base, recorder = batchgate
+    flow_id, _ = workflow
+    api = ApiClient(base, TOKEN)
+    register(api, flow_id, tolerated_failure_percentage=50)
+    resumes = make_resumes(20, seed=3)
+    failing = start_job(api, flow_id, resumes, fail={"1": "fatal", "2": "flaky"})
+    plain = start_job(api, flow_id, make_resumes(20, seed=4))
+    first, second = wait_done(api, [failing, plain], recorder, within_s=180)
+    assert second["status"] == "succeeded" and second["items_done"] == 20, second
+    assert first["status"] == "succeeded" and first["items_done"] == 15, first  # within its failure budget
+    fails = {(c["path"].split("/")[-2], c["request"]["error"]["retryable"]): c for c in recorder.of("/fail")
+             if failing in c["path"]}
+    assert set(fails) == {("1", False), ("2", True)}, fails
+    assert all(c["status"] == 200 for c in fails.values())
+    assert fails[("1", False)]["request"]["error"]["message"].startswith("fatal: resume 1 cannot be read")
+    assert fails[("1", False)]["answer"]["outcome"] == "failed"
+    fatal = api.get(f"/v1/jobs/{failing}/batches/1").json()
+    assert fatal["status"] == "failed" and fatal["attempt"] == 1 and "fatal: resume 1" in fatal["error"], fatal
+    flaky = api.get(f"/v1/jobs/{failing}/batches/2").json()
+    assert flaky["status"] == "completed" and flaky["attempt"] == 2, flaky
+    assert flaky["stages"]["score"]["output"]["scores"] == {r["id"]: expected_score(r) for r in resumes[10:15]}
