@@ -212,8 +212,9 @@ def workflow(n8n, batchgate, request):
     """The credential and the template, created and activated through n8n's public API."""
     base, _ = batchgate
     flow_id = f"n8n-pull-real-{random.randrange(10**6)}"
-    resp = n8n.call("POST", "/credentials", json={"name": "batchgate", "type": "httpHeaderAuth",
-                                                   "data": {"name": "Authorization", "value": f"Bearer {TOKEN}"}})
+    header = {"name": "Authorization", "value": f"Bearer {TOKEN}"}
+    resp = n8n.call("POST", "/credentials",
+                    json={"name": "batchgate", "type": "httpHeaderAuth", "data": header})
     assert resp.status_code == 200, resp.text
     credential_id = resp.json()["id"]
     resp = n8n.call("POST", "/workflows", json=template_for(base, flow_id, credential_id,
@@ -322,8 +323,9 @@ def test_pull_template_runs_a_job_through_a_sigkill_of_n8n(n8n, batchgate, workf
     held_key = held_lease["answer"]["idempotency_key"]
     assert leases[1]["answer"]["idempotency_key"] == held_key and len(by_key[held_key]) == 2
     assert all(len(v) == 1 for k, v in by_key.items() if k != held_key)
-    print(f"held seq {held_seq} with {committed_at_kill} batches committed; n8n API back {boot_s:.0f} s after "
-          f"the restart; leases answered 200: {len([c for c in recorder.of('/lease') if c['status'] == 200])}")
+    leased = len([c for c in recorder.of("/lease") if c["status"] == 200])
+    print(f"held seq {held_seq} with {committed_at_kill} batches committed; n8n API back {boot_s:.0f} s "
+          f"after the restart; leases answered 200: {leased}")
 
 
 # Lines put before the placeholder's code: a batch named in params.fail throws, "fatal" always (the
@@ -357,7 +359,9 @@ def test_pull_template_fails_batches_through_the_error_output_and_works_every_jo
     assert fails[("1", False)]["request"]["error"]["message"].startswith("fatal: resume 1 cannot be read")
     assert fails[("1", False)]["answer"]["outcome"] == "failed"
     fatal = api.get(f"/v1/jobs/{failing}/batches/1").json()
-    assert fatal["status"] == "failed" and fatal["attempt"] == 1 and "fatal: resume 1" in fatal["error"], fatal
+    assert fatal["status"] == "failed" and fatal["attempt"] == 1, fatal
+    assert "fatal: resume 1" in fatal["error"], fatal
     flaky = api.get(f"/v1/jobs/{failing}/batches/2").json()
     assert flaky["status"] == "completed" and flaky["attempt"] == 2, flaky
-    assert flaky["stages"]["score"]["output"]["scores"] == {r["id"]: expected_score(r) for r in resumes[10:15]}
+    expected = {r["id"]: expected_score(r) for r in resumes[10:15]}
+    assert flaky["stages"]["score"]["output"]["scores"] == expected
