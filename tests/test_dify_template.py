@@ -13,7 +13,8 @@ Sources (langgenius/graphon is the package Dify's api/ imports its workflow node
 - node data: langgenius/graphon src/graphon/entities/base_node_data.py (0ad455fb), src/graphon/nodes/
   {start,end,code,http_request,if_else,base}/entities.py (5fe93923), src/graphon/enums.py (07d87023),
   src/graphon/nodes/base/variable_template_parser.py (5fe93923), http_request/node.py (0c9a834e) and
-  executor.py (49dfbeaa); the if/else Condition from dify api/core/workflow/utils/condition/entities.py.
+  executor.py (49dfbeaa); the if/else Condition and its operators from Dify's
+  api/core/workflow/utils/condition/entities.py (graphon.utils.condition is not in the index).
 What this cannot show: that Dify's editor lays the graph out as drawn, that a given Dify version's
 sandbox runs the Code nodes (they use the standard library's json only), and model nodes (there are none).
 """
