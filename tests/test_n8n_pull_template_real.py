@@ -86,8 +86,8 @@ class N8n:
             self.proc = subprocess.Popen(N8N_START, shell=True, start_new_session=True, stdout=log,
                                          stderr=subprocess.STDOUT)
         while True:
-            assert self.proc.poll() is None, f"n8n exited ({self.proc.returncode}); see {self.log_path}"
-            assert time.monotonic() - started < within_s, f"n8n not ready after {within_s} s"
+            assert self.proc.poll() is None, f"n8n exited ({self.proc.returncode}): {self.log_tail()}"
+            assert time.monotonic() - started < within_s, f"n8n not up in {within_s} s: {self.log_tail()}"
             try:
                 # the public API's routes come up one module at a time: wait for both we use
                 if all(self.call("GET", path, params={"limit": 1}).status_code == 200
@@ -96,6 +96,9 @@ class N8n:
             except requests.RequestException:
                 pass
             time.sleep(0.3)
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-1500:]
 
     def kill(self) -> None:
         """SIGKILL n8n and its task runner: a crash, not a shutdown."""
