@@ -105,9 +105,25 @@ class N8n:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        assert port_closed(within_s=10), f"{N8N_URL} still answers after the SIGKILL"
 
     def call(self, method: str, path: str, **kwargs) -> requests.Response:
         return self.api.request(method, f"{N8N_URL}/api/v1{path}", timeout=30, **kwargs)
+
+
+def port_closed(within_s: float) -> bool:
+    """Whether nothing listens at N8N_URL (waiting up to ``within_s`` for it to go)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            requests.get(f"{N8N_URL}/healthz", timeout=1)
+        except requests.ConnectionError:
+            return True
+        except requests.RequestException:
+            pass  # a listener that does not answer (a process going away) is still there
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -115,11 +131,8 @@ def n8n(tmp_path_factory):
     if not (N8N_START and N8N_API_KEY):
         pytest.skip("set BATCHGATE_TEST_N8N_PULL_START and BATCHGATE_TEST_N8N_PULL_API_KEY (see this "
                     "module's docstring) to run the pull template on a real n8n")
-    try:
-        requests.get(f"{N8N_URL}/healthz", timeout=2)
+    if not port_closed(within_s=15):  # an n8n of an earlier run may still be going away
         pytest.skip(f"something already answers at {N8N_URL}: stop it, the test must own (and kill) n8n")
-    except requests.ConnectionError:
-        pass
     proc = N8n(tmp_path_factory.mktemp("n8n") / "n8n.log")
     proc.start()
     yield proc
