@@ -37,9 +37,12 @@ def append_line(path: Path, record: dict) -> None:
 def score(resume: dict, profile: dict) -> int:
     """Stand-in for an LLM scoring call: deterministic, slow, and logged as a paid call."""
     time.sleep(SECONDS_PER_RESUME)
-    overlap = len(set(resume["skills"]) & set(profile["skills"]))
+    skills = resume["skills"]
+    if isinstance(skills, str):  # a CSV row: "python;sql;spark", and every field a string
+        skills = [s for s in skills.split(";") if s]
+    overlap = len(set(skills) & set(profile["skills"]))
     noise = int(hashlib.sha1(resume["id"].encode()).hexdigest(), 16) % 10
-    return min(100, overlap * 20 + min(resume["years"], 10) * 3 + noise)
+    return min(100, overlap * 20 + min(int(resume["years"]), 10) * 3 + noise)
 
 
 class Worker:
