@@ -43,7 +43,12 @@ class Observed:
         job_id = self.observer.job_in(keys) if client is None else None
         if job_id is None:
             return self.script(keys=keys, args=args, client=client)
-        return self.observer.run(self.script, job_id, list(keys), list(args))
+        if not tracing.enabled():
+            return self.observer.run(self.script, job_id, list(keys), list(args))
+        # the observer sends the script by its sha in its own round trip: the span is taken here
+        with tracing.span(getattr(self.script, "name", "ledger.script"), kind="client",
+                          **{"db.system": "redis"}):
+            return self.observer.run(self.script, job_id, list(keys), list(args))
 
 
 @dataclass(frozen=True)
@@ -74,10 +79,10 @@ class Scripts:
     def register(cls, client: redis.Redis, observer: Observer | None = None) -> Scripts:
         """Register every operation's script with ``client`` (EVALSHA, loaded on first use); with an
         ``observer``, each run that names a job's record goes through it (Observed)."""
-        made = {name: client.register_script(source(name)) for name in OPERATIONS}
-        if observer is not None:
+        made = {name: Traced(name, client.register_script(source(name))) for name in OPERATIONS}
+        if observer is not None:  # outermost: ``.script`` stays the bare (traced) script
             made = {name: Observed(script, observer) for name, script in made.items()}
-        return cls(**{name: Traced(name, script) for name, script in made.items()})
+        return cls(**made)
 
 
 class Traced:
