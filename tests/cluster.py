@@ -67,6 +67,13 @@ class LocalCluster:
             time.sleep(0.05)
 
     def start(self, timeout_s: float = 30.0) -> LocalCluster:
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> LocalCluster:
         count = self.masters * (1 + self.replicas)
         while len(self.ports) < count:
             port = free_port()
@@ -101,7 +108,9 @@ class LocalCluster:
             for port in self.ports[self.masters:]:
                 if nodes[port].info("replication").get("master_link_status") != "up":
                     return False
-            return True
+            # every node's slot map names each master's replica (what a cluster client reads)
+            return all(len(ranges) == self.masters and all(len(r) == 3 + self.replicas for r in ranges)
+                       for ranges in map(_slot_map, nodes.values()))
 
         self._wait(ok, "cluster_state:ok with every replica linked", timeout_s)
         for n in nodes.values():
@@ -140,3 +149,7 @@ def _replicate(client: redis.Redis, master_id: str) -> bool:
         return True
     except redis.ResponseError:  # "Unknown node" until the gossip reached it
         return False
+
+
+def _slot_map(client: redis.Redis) -> dict:
+    return client.execute_command("CLUSTER SLOTS")  # [first, last, master, replica...] per range

@@ -28,6 +28,7 @@ import redis
 from redis.exceptions import NoScriptError
 
 from gateway.ledger.keys import Keys
+from gateway.ledger.multi import multi
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class JobIndex:
     def refile(self, tenant: str, job_id: str, f: Filed, old: Filed | None = None,
                stray: str | None = None) -> None:
         """File one job at ``f`` now (one MULTI); ``stray`` is a set it was found in and must leave."""
-        pipe = self.r.pipeline(transaction=True)
+        pipe = multi(self.r)
         if stray is not None and stray not in self.keys_of(tenant, f):
             pipe.zrem(stray, member(f.created_ms, job_id))
         self.file(pipe, tenant, job_id, f, old)
@@ -141,7 +142,7 @@ class JobIndex:
             return script(keys=keys, args=args)
         k = self.keys.job(job_id)
         pipe = self.r.pipeline(transaction=False)
-        pipe.evalsha(script.sha, len(keys), *keys, *args)
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # a cluster pipeline blocks .evalsha
         pipe.hmget(k.job, "status", "created_ms")
         pipe.hget(self.keys.job_index_meta(tenant), job_id)
         res, truth, filed = pipe.execute(raise_on_error=False)
@@ -245,7 +246,7 @@ class JobIndex:
                     truth[job_id] = f
         removed = self._sweep(tenant, truth)
         for start in range(0, len(truth), CHUNK):
-            pipe = self.r.pipeline(transaction=True)
+            pipe = multi(self.r)
             for job_id in list(truth)[start:start + CHUNK]:
                 self.file(pipe, tenant, job_id, truth[job_id])
             pipe.execute()

@@ -53,10 +53,11 @@ from connectors.base import (
 )
 from gateway import metrics, tracing
 from gateway.errors import BatchgateError, JobCancelled, NotFound, RunTooLong, StaleLease
-from gateway.ledger.embedded import client_for
+from gateway.ledger.embedded import client_for, queue_client_for
 from gateway.ledger.flows import Stage
 from gateway.ledger.jobspec import JobSpec
 from gateway.ledger.ledger import ABSENT, Lease, Ledger
+from gateway.ledger.multi import multi
 from gateway.ledger.records import dumps, loads_or_none
 from gateway.net.keepalive import idle_limit
 from gateway.net.outbound import session_for
@@ -161,9 +162,8 @@ class Dispatcher:
         url = settings.redis_url.get_secret_value() if settings.redis_url else None
         if url is None:
             raise RuntimeError("push mode needs BATCHGATE_REDIS_URL (set by `batchgate up`)")
-        ledger = ledger or Ledger(client_for(url), settings)
-        qurl = settings.queue_redis_url.get_secret_value() if settings.queue_redis_url else url
-        queue = TokenlessQueue(QUEUE_NAME, connection=redis.Redis.from_url(qurl), serializer=JSONSerializer)
+        ledger = ledger or Ledger(client_for(url, settings), settings)
+        queue = TokenlessQueue(QUEUE_NAME, connection=queue_client_for(settings), serializer=JSONSerializer)
         # every trigger and poll goes through the outbound guard: checked addresses, checked redirect hops
         return cls(settings, ledger, queue, session_for(settings), Allowlist.parse(settings.outbound_allow))
 
@@ -185,7 +185,7 @@ class Dispatcher:
 
     def woken(self) -> list[str]:
         """Take the job ids kicked since the last look (one round trip)."""
-        pipe = self.ledger.r.pipeline(transaction=True)
+        pipe = multi(self.ledger.r)
         pipe.lrange(self.ledger.keys.push_wake, 0, -1)
         pipe.delete(self.ledger.keys.push_wake)
         found, _ = pipe.execute()
@@ -622,7 +622,7 @@ def dispatcher() -> Dispatcher:
                 url = settings.redis_url.get_secret_value() if settings.redis_url else None
                 if url is None:
                     raise RuntimeError("push mode needs BATCHGATE_REDIS_URL (set by `batchgate up`)")
-                _SHARED["settings"], _SHARED["ledger"] = settings, Ledger(client_for(url), settings)
+                _SHARED["settings"], _SHARED["ledger"] = settings, Ledger(client_for(url, settings), settings)
         d = _LOCAL.dispatcher = Dispatcher.build(_SHARED["settings"], _SHARED["ledger"])
     return d
 
