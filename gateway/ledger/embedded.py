@@ -118,7 +118,8 @@ def is_cluster(url: str, settings: Settings | None = None) -> bool:
     return scheme in CLUSTER_SCHEMES or bool(settings is not None and settings.redis_cluster)
 
 
-def client_for(url: str, settings: Settings | None = None, *, read_timeout: float | None = None) -> redis.Redis:
+def client_for(url: str, settings: Settings | None = None, *,
+               read_timeout: float | None = None) -> redis.Redis:
     """A redis-py client as batchgate uses it everywhere (str replies, bytes kept intact), with connect
     and read timeouts (a half-open connection is a TimeoutError, not a hang) and a health check.
 

@@ -98,6 +98,9 @@ class Ledger(ControlOps, ApprovalOps):
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.index = JobIndex(client, self.keys, self.spec)  # follows every job script's status change
+        if settings.redis_wait_replicas:  # durable commits: WAIT after each (JobIndex.run)
+            self.index.wait = (settings.redis_wait_replicas,
+                               int(settings.redis_wait_timeout.total_seconds() * 1000))
         self.scripts = Scripts.register(client, self.index)
         self._specs: OrderedDict[str, tuple[JobSpec, float]] = OrderedDict()  # spec, seen current at
         self._specs_lock = threading.Lock()  # gunicorn threads share the cache

@@ -10,7 +10,7 @@ run_leased      takes a slot on the stage's target (slot.lua: ``max_in_flight``,
                 starts the call in the ledger (begin.lua), calls the connector and acts on the outcome:
                 commit or fail through the ledger, wait for the callback, schedule a poll (RQ), or, when
                 the target is unavailable, give the batch back without spending an attempt and cool the
-                target down (outage.lua).
+                target down (breaker.lua, outage.lua).
 poll_stage      (an RQ job, scheduled with ``enqueue_in``) heartbeats the lease and polls the platform run;
                 the next poll waits twice as long as the last, from the stage's ``poll_interval`` up to
                 :func:`poll_cap` (60 s, at most half the stage's lease so the lease stays alive), and the
@@ -554,13 +554,18 @@ class Dispatcher:
         tid = target_id(stage.target)
         parts = urlsplit(stage.target.get("url") or stage.target.get("base_url") or "")
         label = f"{parts.scheme}://{parts.netloc}"
+        # two scripts, two slots (a Redis Cluster keeps a script in one): the target's breaker cools
+        # down first, then the batch is given back until then. A crash between leaves the breaker
+        # cooling and the lease to expire: no call is made twice, the batch is retried later.
+        until_ms, since_ms = self.ledger.scripts.breaker(
+            keys=[keys.target_breaker(tid), keys.target_waiting(tid)],
+            args=[err.message[:500], int((err.retry_after_s or 0) * 1000), OUTAGE_FIRST_COOLDOWN_MS,
+                  self._longest_cooldown_ms(err), spec.job_id])
         res = self.ledger.scripts.outage(
-            keys=[k.job, k.batch(seq), k.leases, k.ready(stage_idx), k.log, k.audit,
-                  keys.target_breaker(tid), keys.target_waiting(tid), k.events],
-            args=[token, err.message[:500], int((err.retry_after_s or 0) * 1000), OUTAGE_FIRST_COOLDOWN_MS,
-                  self._longest_cooldown_ms(err),
+            keys=[k.job, k.batch(seq), k.leases, k.ready(stage_idx), k.log, k.audit, k.events],
+            args=[token, err.message[:500], until_ms, since_ms, 0,
                   int(self.settings.outage_pause_after.total_seconds() * 1000), self.settings.log_maxlen,
-                  label, spec.job_id])
+                  label])
         if res[0] == "waiting":
             log.warning("target %s unavailable (%s): job_id=%s seq=%s waits until %s, no attempt spent",
                         label, err.message[:200], spec.job_id, seq, res[1])
