@@ -64,3 +64,128 @@ def test_a_pull_job_runs_to_the_end_through_the_api(cluster_api):
     assert view["status"] == "succeeded", view
     listed = cluster_api.get("/v1/jobs").json()["jobs"]
     assert [j["job_id"] for j in listed] == [created["job_id"]]
+
+
+# -- every script within one slot -----------------------------------------------------------------
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every ledger script run, as (operation, keys): through the observer (job scripts) or not."""
+    from redis.commands.core import Script
+
+    from gateway.ledger import scripts
+
+    calls: list[tuple[str, list[str]]] = []
+    observed, traced, bare = scripts.Observed.__call__, scripts.Traced.__call__, Script.__call__
+
+    def on_observed(self, keys=(), args=(), client=None):
+        calls.append((self.script.name.removeprefix("ledger."), list(keys)))
+        return observed(self, keys, args, client)
+
+    def on_traced(self, keys=(), args=(), client=None):
+        calls.append((self.name.removeprefix("ledger."), list(keys)))
+        return traced(self, keys, args, client)
+
+    def on_bare(self, keys=[], args=[], client=None):  # noqa: B006 - redis-py's signature
+        calls.append((self.script.split("\n", 1)[0][:40], list(keys)))
+        return bare(self, keys, args, client)
+
+    monkeypatch.setattr(scripts.Observed, "__call__", on_observed)
+    monkeypatch.setattr(scripts.Traced, "__call__", on_traced)
+    monkeypatch.setattr(Script, "__call__", on_bare)
+    return calls
+
+
+def one_slot(keys: list[str]) -> bool:
+    from redis.crc import key_slot
+
+    return len({key_slot(key.encode()) for key in keys}) <= 1
+
+
+def test_every_ledger_script_run_on_a_job_touches_one_slot(cluster_client, cluster_settings, recorded):
+    """The ledger's operations on a job run on the cluster (which refuses a cross-slot script), and each
+    script's keys hash to one slot; scripts only push, approvals or repairs run are checked on the keys
+    their call sites build for a sample job (gateway/push/dispatch.py, ledger/approvals.py, control.py)."""
+    from gateway.ledger.flows import FlowRegistry, parse_flow
+    from gateway.ledger.jobs import JobRequest, JobService
+    from gateway.ledger.ledger import Ledger
+    from gateway.ledger.scripts import OPERATIONS
+
+    ledger = Ledger(cluster_client, cluster_settings)
+    registry = FlowRegistry(cluster_client, ledger.keys)
+    jobs = JobService(ledger, registry)
+    flow = parse_flow({"id": "f", "version": "1", "stages": [{"name": "score"}, {"name": "store"}],
+                       "batching": {"max_items": 2}, "source": {"type": "sequence", "count": 8}})
+    registry.register("acme", flow)
+    job_id = jobs.create("acme", JobRequest(flow_id="f"))["job_id"]
+    first = ledger.lease(job_id)
+    ledger.heartbeat(job_id, first.seq, first.lease_token)
+    ledger.complete(job_id, first.seq, first.lease_token, {"ok": 1})
+    second = ledger.lease(job_id)
+    ledger.fail(job_id, second.seq, second.lease_token, "boom", retryable=True)
+    third = ledger.lease(job_id)
+    cluster_client.zadd(ledger.keys.job(job_id).leases, {str(third.seq): 1})  # its deadline passed
+    assert ledger.expire_due(job_id)
+    ledger.pause(job_id, "tenant:acme")
+    ledger.reopen(job_id, "tenant:acme")
+    other = jobs.create("acme", JobRequest(flow_id="f"))["job_id"]
+    ledger.cancel(other, "tenant:acme")
+    ran = {name for name, _ in recorded}
+    assert {"plan", "lease", "heartbeat", "complete", "fail", "expire", "set_status", "reopen",
+            "cancel"} <= ran, ran
+    crossing = [(name, keys) for name, keys in recorded if not one_slot(keys)]
+    assert crossing == []
+
+    k, keys, tid = ledger.keys.job(job_id), ledger.keys, "0123456789abcdef"
+    static = {  # as the call sites build them
+        "slot": [keys.target_slots(tid), keys.target_breaker(tid)],
+        "breaker": [keys.target_breaker(tid), keys.target_waiting(tid)],
+        "outage": [k.job, k.batch(0), k.leases, k.ready(0), k.log, k.audit, k.events],
+        "begin": [k.job, k.batch(0), k.leases, k.ready(0), k.log],
+        "handle": [k.batch(0), k.job],
+        "unwait": [k.job, k.log],
+        "source_fail": [k.job, k.log, k.audit, k.events],
+        "replan": [k.job, k.leases, k.failed, k.done, k.log, k.audit, k.ready(0), k.ready(1), k.batch(0),
+                   k.items(0)],
+        "decide": [k.job, k.batch(0), k.approval(0, 1, 1), k.approvals, k.approvals_due, k.items(0),
+                   k.leases, k.done, k.failed, k.log, k.ready(0), k.ready(1), k.approval(0, 1, 1), k.events],
+        "open_approval": [k.job, k.batch(0), k.approval(0, 1, 1), k.approvals, k.approvals_due, k.leases,
+                          k.ready(1), k.log, k.events],
+        "selfcheck": [],
+    }
+    assert set(OPERATIONS) <= ran | set(static)
+    assert [name for name, ks in static.items() if not one_slot(ks)] == []
+    # the global scripts: one key, or keys tagged by the tenant
+    assert one_slot([keys.quota_creations("acme"), keys.quota_active("acme")])
+
+
+# -- durable commits: WAIT after each commit script ------------------------------------------------
+
+def test_commits_wait_for_a_replica_and_a_short_acknowledgement_is_counted(cluster, cluster_settings,
+                                                                           cluster_client, caplog):
+    from gateway import metrics
+    from gateway.ledger.flows import FlowRegistry, parse_flow
+    from gateway.ledger.jobs import JobRequest, JobService
+    from gateway.ledger.ledger import Ledger
+
+    def short() -> float:
+        return metrics.REDIS_WAIT_SHORT.labels("complete")._value.get()
+
+    settings = cluster_settings.model_copy(update={"redis_wait_replicas": 1})
+    ledger = Ledger(cluster_client, settings)
+    registry = FlowRegistry(cluster_client, ledger.keys)
+    registry.register("acme", parse_flow({"id": "f", "version": "1", "stages": [{"name": "s"}],
+                                          "batching": {"max_items": 2},
+                                          "source": {"type": "sequence", "count": 4}}))
+    job_id = JobService(ledger, registry).create("acme", JobRequest(flow_id="f"))["job_id"]
+    before = short()
+    lease = ledger.lease(job_id)
+    ledger.complete(job_id, lease.seq, lease.lease_token, {"ok": 1})
+    assert short() == before  # the replica acknowledged
+    # two replicas asked, one exists: the commit stands, a warning is logged and counted
+    ledger.index.wait = (2, 50)
+    lease = ledger.lease(job_id)
+    ledger.complete(job_id, lease.seq, lease.lease_token, {"ok": 2})
+    assert short() == before + 1
+    assert "acknowledged by 1 of 2 replicas" in caplog.text
+    assert ledger.job_fields(job_id)["status"] == "succeeded"
