@@ -189,3 +189,61 @@ def test_commits_wait_for_a_replica_and_a_short_acknowledgement_is_counted(clust
     assert short() == before + 1
     assert "acknowledged by 1 of 2 replicas" in caplog.text
     assert ledger.job_fields(job_id)["status"] == "succeeded"
+
+
+# -- push mode on the cluster -----------------------------------------------------------------------
+
+def test_a_push_job_runs_to_the_end_with_a_worker_process(cluster_settings, cluster_client, redis_client,
+                                                          tmp_path):
+    """API, supervisor and a `batchgate worker` process on the cluster (RQ's queue on a plain Redis);
+    a flaky platform: every batch stored exactly once."""
+    import os
+    import sys
+    import threading
+    from datetime import timedelta
+
+    from gateway.api.app import create_app
+    from gateway.ledger.ledger import Ledger
+    from gateway.push.dispatch import Dispatcher
+    from gateway.push.supervisor import Supervisor
+    from tests.http import ApiClient, serve_app
+    from tests.test_push_e2e import Workers, push_flow, wait_done
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "resume_screening"))
+    from standin_platform import StandInPlatform
+
+    batches = 30
+    data = tmp_path / "data"
+    own = cluster_settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"], "data_dir": data,
+                                              "supervisor_interval": timedelta(milliseconds=100)})
+    holder: dict = {}
+    base, stop_api = serve_app(lambda environ, start: holder["app"](environ, start))
+    own = own.model_copy(update={"public_url": base})
+    holder["app"] = create_app(own, cluster_client)
+    env = {**os.environ, "BATCHGATE_REDIS_URL": own.redis_url.get_secret_value(),
+           "BATCHGATE_QUEUE_REDIS_URL": own.queue_redis_url.get_secret_value(),
+           "BATCHGATE_SIGNING_KEY": own.signing_secret().decode(), "BATCHGATE_PUBLIC_URL": base,
+           "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]', "BATCHGATE_LOG_LEVEL": "WARNING",
+           "BATCHGATE_DATA_DIR": str(data), "BATCHGATE_SECRETS": "{}"}
+    ledger = Ledger(cluster_client, own)
+    sup = Supervisor(ledger, name="cluster-e2e", dispatcher=Dispatcher.build(own, ledger))
+    threading.Thread(target=sup.run, daemon=True).start()
+    workers = Workers(env, count=1)
+    try:
+        with StandInPlatform(fail_rate=0.1, drop_rate=0.05, duplicate_rate=0.05, seed=3) as platform:
+            workers.start()
+            api = ApiClient(base, TOKEN)
+            assert api.post("/v1/flows", json=push_flow(platform.url, batches)).status_code == 201
+            job_id = api.post("/v1/jobs", json={"flow_id": "push-e2e"}).json()["job_id"]
+            job = wait_done(api, job_id, 120)
+            stats = platform.stats()
+    finally:
+        workers.kill()
+        sup.stop.set()
+        stop_api()
+    assert job["status"] == "succeeded", job
+    assert job["items_done"] == batches * 2
+    assert stats["stored_keys"] == batches
+    log = cluster_client.xrange(ledger.keys.job(job_id).log)
+    commits = [(f["seq"], f["stage"]) for _, f in log if f["event"] == "stage_completed"]
+    assert len(commits) == len(set(commits)) == batches * 2

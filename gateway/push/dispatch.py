@@ -196,7 +196,8 @@ class Dispatcher:
         created before a kick could register them, e.g. by an older version)."""
         r, k = self.ledger.r, self.ledger.keys
         if rescan:
-            for job_id in r.sdiff(k.active, k.push_jobs):
+            # two reads, not SDIFF: the two sets may sit on two slots of a Redis Cluster
+            for job_id in r.smembers(k.active) - r.smembers(k.push_jobs):
                 try:
                     spec = self.ledger.spec(job_id)
                 except BatchgateError:
