@@ -99,7 +99,8 @@ class LocalCluster:
         self._wait(known_by_all, "every node knowing every other", timeout_s)
         for j, port in enumerate(self.ports[self.masters:]):
             master = self.master_ports[j % self.masters]
-            self._wait(lambda p=port, m=master: _replicate(nodes[p], ids[m]), f"{port} replicating", timeout_s)
+            self._wait(lambda p=port, m=master: _replicate(nodes[p], ids[m]), f"{port} replicating",
+                       timeout_s)
 
         def ok() -> bool:
             for n in nodes.values():

@@ -64,6 +64,18 @@ def test_a_pull_job_runs_to_the_end_through_the_api(cluster_api):
     assert view["status"] == "succeeded", view
     listed = cluster_api.get("/v1/jobs").json()["jobs"]
     assert [j["job_id"] for j in listed] == [created["job_id"]]
+    assert cluster_api.get("/metrics").status_code == 200  # scans every master for the tenants
+    # idempotent creation: the record and its claim sit on two slots
+    again = [cluster_api.post("/v1/jobs", json={"flow_id": "f"}, headers={"Idempotency-Key": "k1"})
+             for _ in range(2)]
+    assert [r.status_code for r in again] == [201, 201] and again[0].json() == again[1].json()
+    # a subscription: its record and the tenant's set of them sit on two slots
+    sub = cluster_api.post("/v1/subscriptions", json={"url": "https://hooks.example.com/bg",
+                                                      "events": ["job.succeeded"]})
+    assert sub.status_code == 201, sub.text
+    listed = cluster_api.get("/v1/subscriptions").json()["subscriptions"]
+    assert [s["id"] for s in listed] == [sub.json()["id"]]
+    assert cluster_api.delete(f"/v1/subscriptions/{sub.json()['id']}").status_code == 204
 
 
 # -- every script within one slot -----------------------------------------------------------------
