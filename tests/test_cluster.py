@@ -65,6 +65,8 @@ def test_a_pull_job_runs_to_the_end_through_the_api(cluster_api):
     listed = cluster_api.get("/v1/jobs").json()["jobs"]
     assert [j["job_id"] for j in listed] == [created["job_id"]]
     assert cluster_api.get("/metrics").status_code == 200  # scans every master for the tenants
+    ready = cluster_api.get("/readyz").json()  # not ready (no supervisor here), but Redis and scripts are
+    assert ready["checks"]["scripts"]["ok"] and ready["checks"]["redis"]["ok"], ready
     # idempotent creation: the record and its claim sit on two slots
     again = [cluster_api.post("/v1/jobs", json={"flow_id": "f"}, headers={"Idempotency-Key": "k1"})
              for _ in range(2)]
