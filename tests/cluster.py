@@ -118,6 +118,16 @@ class LocalCluster:
             n.close()
         return self
 
+    def kill(self, port: int) -> None:
+        """SIGKILL one node (a crash: what it had not replicated is gone with it)."""
+        self.procs[port].kill()
+        self.procs[port].wait()
+
+    def restart(self, port: int) -> None:
+        """Start a killed node again on its port and folder: it rejoins (as a replica if it was failed
+        over) from its nodes.conf and AOF."""
+        self._spawn(port)
+
     def client(self):
         from redis.cluster import RedisCluster
 

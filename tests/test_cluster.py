@@ -261,3 +261,92 @@ def test_a_push_job_runs_to_the_end_with_a_worker_process(cluster_settings, clus
     log = cluster_client.xrange(ledger.keys.job(job_id).log)
     commits = [(f["seq"], f["stage"]) for _, f in log if f["event"] == "stage_completed"]
     assert len(commits) == len(set(commits)) == batches * 2
+
+
+# -- failover ---------------------------------------------------------------------------------------
+
+def _retrying(call, deadline_s: float = 30.0):
+    """``call()`` until Redis answers again (a master killed: its replica takes over in a few seconds)."""
+    import time
+
+    import redis
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return call()
+        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
+                redis.exceptions.TryAgainError, redis.exceptions.MovedError) as exc:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the cluster did not come back: {exc!r}") from exc
+            time.sleep(0.2)
+
+
+@pytest.mark.parametrize("replicas", [1, 0], ids=["wait-1", "no-wait"])
+def test_a_master_killed_during_commits_fails_over_and_the_job_finishes(tmp_path, redis_server, replicas,
+                                                                         capsys):
+    """SIGKILL the master of the job's slot in the middle of a stream of commits: its replica takes over,
+    the job finishes. With WAIT 1 every acknowledged commit survives (no batch is committed twice);
+    without it the test reports how many acknowledged commits were lost."""
+    import time
+
+    from gateway import metrics
+    from gateway.errors import Conflict
+    from gateway.ledger.flows import FlowRegistry, parse_flow
+    from gateway.ledger.jobs import JobRequest, JobService
+    from gateway.ledger.ledger import Ledger
+
+    cluster = LocalCluster(tmp_path / "cluster").start()
+    try:
+        settings = Settings(redis_url=cluster.url, queue_redis_url=redis_server.url,
+                            data_dir=tmp_path / "data", redis_wait_replicas=replicas,
+                            redis_read_timeout=2, redis_connect_timeout=1, redis_wait_timeout=0.2)
+        client = client_for(cluster.url, settings)
+        ledger = Ledger(client, settings)
+        registry = FlowRegistry(client, ledger.keys)
+        batches = 300
+        registry.register("acme", parse_flow({"id": "f", "version": "1",
+                                              "stages": [{"name": "s", "lease": 2}],
+                                              "batching": {"max_items": 1},
+                                              "source": {"type": "sequence", "count": batches}}))
+        job_id = JobService(ledger, registry).create("acme", JobRequest(flow_id="f"))["job_id"]
+        master = client.get_node_from_key(ledger.keys.job(job_id).job)
+        acked: list[int] = []  # batches whose commit came back (with WAIT 1: acknowledged by a replica)
+        short = metrics.REDIS_WAIT_SHORT.labels("complete")
+        killed_at = restarted = None
+        committed_after_kill = 0
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if killed_at is None and len(acked) == batches // 3:
+                cluster.kill(master.port)  # SIGKILL, mid-stream
+                killed_at = time.monotonic()
+            if restarted is None and committed_after_kill:
+                cluster.restart(master.port)  # failed over: the old master comes back as a replica
+                restarted = time.monotonic()
+            lease = _retrying(lambda: ledger.lease(job_id))
+            if lease is None:
+                if _retrying(lambda: ledger.job_fields(job_id))["status"] != "running":
+                    break
+                _retrying(lambda: ledger.expire_due(job_id))  # a lease lost with the master, or a late one
+                time.sleep(0.1)
+                continue
+            before = short._value.get()
+            try:
+                _retrying(lambda: ledger.complete(job_id, lease.seq, lease.lease_token, {"seq": lease.seq}))
+            except Conflict:
+                continue  # the lease ran out in the failover, or the first try committed: not acknowledged
+            committed_after_kill += killed_at is not None
+            if short._value.get() == before:
+                acked.append(lease.seq)
+        job = _retrying(lambda: ledger.job_fields(job_id))
+        assert killed_at is not None
+        assert job["status"] == "succeeded", job
+        twice = sorted({seq for seq in acked if acked.count(seq) > 1})
+        with capsys.disabled():
+            print(f"\nfailover (WAIT {replicas}): {len(acked)} acknowledged commits, failover and first "
+                  f"commit after {restarted - killed_at:.1f} s, "
+                  f"{len(twice)} acknowledged twice (lost in the failover and redone): {twice[:10]}")
+        if replicas:
+            assert twice == []
+    finally:
+        cluster.stop()
