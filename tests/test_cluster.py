@@ -207,10 +207,11 @@ def test_commits_wait_for_a_replica_and_a_short_acknowledgement_is_counted(clust
 
 # -- push mode on the cluster -----------------------------------------------------------------------
 
-def test_a_push_job_runs_to_the_end_with_a_worker_process(cluster_settings, cluster_client, redis_client,
-                                                          tmp_path):
-    """API, supervisor and a `batchgate worker` process on the cluster (RQ's queue on a plain Redis);
-    a flaky platform: every batch stored exactly once."""
+def test_a_push_job_runs_to_the_end_on_two_gateways_supervisors_and_workers(cluster_settings, cluster_client,
+                                                                            tmp_path):
+    """Two API processes' worth of apps (each its own RedisCluster client), two supervisors and two
+    `batchgate worker` processes on the cluster (RQ's queue on a plain Redis), each worker's callbacks
+    going to another gateway; a flaky platform: every batch stored exactly once, no stage committed twice."""
     import os
     import sys
     import threading
@@ -228,37 +229,48 @@ def test_a_push_job_runs_to_the_end_with_a_worker_process(cluster_settings, clus
 
     batches = 30
     data = tmp_path / "data"
-    own = cluster_settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"], "data_dir": data,
-                                              "supervisor_interval": timedelta(milliseconds=100)})
-    holder: dict = {}
-    base, stop_api = serve_app(lambda environ, start: holder["app"](environ, start))
-    own = own.model_copy(update={"public_url": base})
-    holder["app"] = create_app(own, cluster_client)
-    env = {**os.environ, "BATCHGATE_REDIS_URL": own.redis_url.get_secret_value(),
-           "BATCHGATE_QUEUE_REDIS_URL": own.queue_redis_url.get_secret_value(),
-           "BATCHGATE_SIGNING_KEY": own.signing_secret().decode(), "BATCHGATE_PUBLIC_URL": base,
-           "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]', "BATCHGATE_LOG_LEVEL": "WARNING",
-           "BATCHGATE_DATA_DIR": str(data), "BATCHGATE_SECRETS": "{}"}
-    ledger = Ledger(cluster_client, own)
-    sup = Supervisor(ledger, name="cluster-e2e", dispatcher=Dispatcher.build(own, ledger))
-    threading.Thread(target=sup.run, daemon=True).start()
-    workers = Workers(env, count=1)
+    base_settings = cluster_settings.model_copy(update={
+        "outbound_allow": ["127.0.0.1/32"], "data_dir": data,
+        "supervisor_interval": timedelta(milliseconds=100)})
+    stops, sups, pools, bases = [], [], [], []
     try:
+        for i in range(2):
+            holder: dict = {}
+            base, stop_api = serve_app(lambda environ, start, h=holder: h["app"](environ, start))
+            stops.append(stop_api)
+            bases.append(base)
+            own = base_settings.model_copy(update={"public_url": base})
+            client = client_for(own.redis_url.get_secret_value(), own)  # a process of its own, in effect
+            holder["app"] = create_app(own, client)
+            ledger = Ledger(client, own)
+            sup = Supervisor(ledger, name=f"cluster-e2e-{i}", dispatcher=Dispatcher.build(own, ledger))
+            threading.Thread(target=sup.run, daemon=True).start()
+            sups.append(sup)
+            env = {**os.environ, "BATCHGATE_REDIS_URL": own.redis_url.get_secret_value(),
+                   "BATCHGATE_QUEUE_REDIS_URL": own.queue_redis_url.get_secret_value(),
+                   "BATCHGATE_SIGNING_KEY": own.signing_secret().decode(), "BATCHGATE_PUBLIC_URL": base,
+                   "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]', "BATCHGATE_LOG_LEVEL": "WARNING",
+                   "BATCHGATE_DATA_DIR": str(data), "BATCHGATE_SECRETS": "{}"}
+            pools.append(Workers(env, count=1))
         with StandInPlatform(fail_rate=0.1, drop_rate=0.05, duplicate_rate=0.05, seed=3) as platform:
-            workers.start()
-            api = ApiClient(base, TOKEN)
-            assert api.post("/v1/flows", json=push_flow(platform.url, batches)).status_code == 201
-            job_id = api.post("/v1/jobs", json={"flow_id": "push-e2e"}).json()["job_id"]
-            job = wait_done(api, job_id, 120)
+            for pool in pools:
+                pool.start()
+            first, second = (ApiClient(base, TOKEN) for base in bases)
+            assert first.post("/v1/flows", json=push_flow(platform.url, batches)).status_code == 201
+            job_id = second.post("/v1/jobs", json={"flow_id": "push-e2e"}).json()["job_id"]
+            job = wait_done(first, job_id, 120)
             stats = platform.stats()
     finally:
-        workers.kill()
-        sup.stop.set()
-        stop_api()
+        for pool in pools:
+            pool.kill()
+        for sup in sups:
+            sup.stop.set()
+        for stop in stops:
+            stop()
     assert job["status"] == "succeeded", job
     assert job["items_done"] == batches * 2
     assert stats["stored_keys"] == batches
-    log = cluster_client.xrange(ledger.keys.job(job_id).log)
+    log = cluster_client.xrange(Ledger(cluster_client, cluster_settings).keys.job(job_id).log)
     commits = [(f["seq"], f["stage"]) for _, f in log if f["event"] == "stage_completed"]
     assert len(commits) == len(set(commits)) == batches * 2
 
