@@ -297,9 +297,11 @@ def _retrying(call, deadline_s: float = 30.0):
 @pytest.mark.parametrize("replicas", [1, 0], ids=["wait-1", "no-wait"])
 def test_a_master_killed_during_commits_fails_over_and_the_job_finishes(tmp_path, redis_server, replicas,
                                                                          capsys):
-    """SIGKILL the master of the job's slot in the middle of a stream of commits: its replica takes over,
-    the job finishes. With WAIT 1 every acknowledged commit survives (no batch is committed twice);
-    without it the test reports how many acknowledged commits were lost."""
+    """SIGKILL the master of the job's slot in the middle of a stream of commits, while its replica lags:
+    the replica takes over, the job finishes. With WAIT 1 every acknowledged commit survives (no batch is
+    acknowledged twice); without it, the commits acknowledged during the lag are lost and redone (the
+    test prints how many)."""
+    import threading
     import time
 
     from gateway import metrics
@@ -325,11 +327,25 @@ def test_a_master_killed_during_commits_fails_over_and_the_job_finishes(tmp_path
         master = client.get_node_from_key(ledger.keys.job(job_id).job)
         acked: list[int] = []  # batches whose commit came back (with WAIT 1: acknowledged by a replica)
         short = metrics.REDIS_WAIT_SHORT.labels("complete")
-        killed_at = restarted = None
+        killed_at = restarted = lagging = lag_until = lag_from = None
+        replica = next(p for p in cluster.ports[cluster.masters:]
+                       if cluster.node(p).info("replication").get("master_port") == master.port)
         committed_after_kill = 0
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            if killed_at is None and len(acked) == batches // 3:
+            if lagging is None and len(acked) == batches // 3:
+                # the replica stops for 2 s and loses its link (as a partitioned one would); the master
+                # commits on for up to 1 s or 50 commits, then dies: what the replica never had is lost
+                lagging = threading.Thread(target=lambda: cluster.node(replica).execute_command(
+                    "DEBUG", "SLEEP", "2"), daemon=True)
+                lagging.start()
+                time.sleep(0.1)
+                # and the master drops its link, so nothing more even waits in the replica's socket
+                with cluster.node(master.port) as node:
+                    node.client_kill_filter(_type="replica")
+                lag_until, lag_from = time.monotonic() + 1.0, len(acked)
+            if killed_at is None and lagging is not None and (time.monotonic() > lag_until
+                                                               or len(acked) >= lag_from + 50):
                 cluster.kill(master.port)  # SIGKILL, mid-stream
                 killed_at = time.monotonic()
             if restarted is None and committed_after_kill:
@@ -360,5 +376,7 @@ def test_a_master_killed_during_commits_fails_over_and_the_job_finishes(tmp_path
                   f"{len(twice)} acknowledged twice (lost in the failover and redone): {twice[:10]}")
         if replicas:
             assert twice == []
+        else:  # what WAIT prevents: commits acknowledged while the replica lagged were lost and redone
+            assert twice
     finally:
         cluster.stop()
