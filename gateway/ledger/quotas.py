@@ -118,11 +118,15 @@ class Quotas:
         if not self.r.set(self.keys.quota_prune(tenant), "1", nx=True, px=every_ms):
             return 0
         key = self.keys.quota_active(tenant)
-        statuses = self._statuses(list(self.r.smembers(key)))
-        # a job without a record that is in the tenant's index was written (job and index are one
-        # MULTI) and has expired since: gone at once, however young; one never written is a creation
-        # in progress until CREATION_GRACE has passed (or one that died)
-        indexed = self._indexed(tenant, [job_id for job_id, status in statuses.items() if status is None])
+        members = list(self.r.smembers(key))
+        # the roster is read BEFORE the records: a job the roster named then and whose record is absent
+        # now was written (job and roster are one MULTI) and has expired since: gone at once, however
+        # young. Read the other way round, a creation committing between the two reads looked expired
+        # (no record yet, then in the roster) and freed a place it holds: 6 of a quota of 5 were created
+        # once, 20 creations racing over 2 gunicorn workers. One never written is a creation in
+        # progress until CREATION_GRACE has passed (or one that died).
+        indexed = self._indexed(tenant, members)
+        statuses = self._statuses(members)
         gone = [job_id for job_id, status in statuses.items()
                 if status in FINISHED or (status is None and (
                     job_id in indexed or _older_than(job_id, CREATION_GRACE)))]
