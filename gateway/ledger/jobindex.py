@@ -27,6 +27,7 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
+from gateway.ledger import due as due_index
 from gateway.ledger.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class JobIndex:
         self.r = client
         self.keys = keys
         self.spec_of = spec_of
+        self.due = due_index.DueIndex(client, keys)  # the supervisor's due index follows scripts too
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -136,7 +138,8 @@ class JobIndex:
         """Run a job's script and, in the same round trip, read the job's status and where the index
         filed it; file it again if they differ. The script's answer is returned (or raised) as is."""
         try:
-            tenant = self.spec_of(job_id).tenant
+            spec = self.spec_of(job_id)
+            tenant = spec.tenant
         except Exception:  # noqa: BLE001 - no readable spec: the script itself answers missing/corrupt
             return script(keys=keys, args=args)
         k = self.keys.job(job_id)
@@ -144,17 +147,25 @@ class JobIndex:
         pipe.evalsha(script.sha, len(keys), *keys, *args)
         pipe.hmget(k.job, "status", "created_ms")
         pipe.hget(self.keys.job_index_meta(tenant), job_id)
-        res, truth, filed = pipe.execute(raise_on_error=False)
+        due_index.probe(pipe, self.keys, job_id)  # and when the supervisor must look at it next
+        res, truth, filed, *probed = pipe.execute(raise_on_error=False)
         if isinstance(res, NoScriptError):  # not loaded yet (a restarted Redis): nothing ran
             res = script(keys=keys, args=args)
             truth, filed = self.r.hmget(k.job, "status", "created_ms"), \
                 self.r.hget(self.keys.job_index_meta(tenant), job_id)
+            pipe = self.r.pipeline(transaction=False)
+            due_index.probe(pipe, self.keys, job_id)
+            probed = pipe.execute(raise_on_error=False)
         elif isinstance(res, Exception):
             raise res
         try:
             self._after(tenant, job_id, truth, filed)
         except Exception:  # noqa: BLE001 - the script committed; the supervisor and listings heal it
             log.warning("job index: update after a script failed job_id=%s", job_id, exc_info=True)
+        try:  # a job with approval stages is looked at after any script: a batch may wait at one
+            self.due.after_script(job_id, probed, force_now=bool(spec.flow.gates()))
+        except Exception:  # noqa: BLE001 - the script committed; the supervisor's sweep heals it
+            log.warning("due index: update after a script failed job_id=%s", job_id, exc_info=True)
         return res
 
     def _after(self, tenant: str, job_id: str, truth: Any, filed: Any) -> None:

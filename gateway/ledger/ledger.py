@@ -228,6 +228,7 @@ class Ledger(ControlOps, ApprovalOps):
         self.index.file(pipe, spec.tenant, spec.job_id,
                         Filed("running", spec.flow.id, spec.flow.version, int(now)))
         pipe.sadd(self.keys.active, spec.job_id)
+        pipe.zadd(self.keys.due, {spec.job_id: float("inf")})  # watched; nothing due until a lease
         pipe.execute()
         log.info("job created job_id=%s flow=%s@%s", spec.job_id, spec.flow.id, spec.flow.version)
 
@@ -617,7 +618,10 @@ class Ledger(ControlOps, ApprovalOps):
         for key in self._all_keys(job_id):
             pipe.persist(key)
         pipe.execute()
-        self.r.sadd(self.keys.active, job_id)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.sadd(self.keys.active, job_id)
+        pipe.zadd(self.keys.due, {job_id: int(time.time() * 1000)}, lt=True)  # look at it next pass
+        pipe.execute()
 
 
 class WindowedListView(RedisListView):
