@@ -1,8 +1,13 @@
 """Supervisor: expires leases that ran out, recovers jobs left running by a crash, applies retention,
 and delivers event webhooks (gateway/push/webhooks.py, in a thread of its own).
 
-Several supervisors may run at once: recovery claims a job with SET NX before touching it, and the
-expire script re-checks every deadline, so a lease is never expired twice.
+A pass follows due work, not the number of jobs: it reads the due index (``<p>:due``, gateway/ledger/
+due.py: job -> when it must next be looked at) for jobs due now, plus one page of a sweep that finds
+lost index entries and a few full visits round robin (the safety net the old every-job pass was).
+
+Several supervisors may run at once: each claims a due job (``supclaim``, SET NX PX) before looking at
+it, recovery claims a job with SET NX before touching it, and the expire script re-checks every
+deadline, so a lease is never expired twice.
 
 Start-up recovery runs once per restart of the deployment, not once per supervisor start: whichever
 process contacts Redis first after every earlier one stopped or crashed (a supervisor, a worker, an API
