@@ -168,3 +168,23 @@ def test_two_supervisors_ticking_together_never_expire_a_lease_twice(ledger, mak
         t.join()
     for job_id in job_ids:
         assert sum(_retries(ledger, job_id).values()) == 10  # 5 leases expired twice over: once each time
+
+
+def test_settling_never_loses_a_deadline_a_script_set_meanwhile(ledger, make_job, monkeypatch):
+    from gateway.ledger import due as due_module
+
+    job_id = make_job(items=list(range(6)), max_items=3, stage_defs=[{"name": "score", "lease": 60}])
+    real, leased, raced = due_module.due_from, [], []
+
+    def racing(got, now):
+        out = real(got, now)
+        if not raced:  # between the supervisor's read (no lease: +inf) and its write
+            raced.append(True)
+            leased.append(ledger.lease(job_id))
+        return out
+
+    monkeypatch.setattr(due_module, "due_from", racing)
+    ledger.index.due.settle([job_id])
+    monkeypatch.undo()
+    assert leased[0] is not None
+    assert _entry(ledger, job_id) == leased[0].lease_deadline_ms  # lowered again after the write
