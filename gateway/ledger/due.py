@@ -42,7 +42,7 @@ def probe(pipe: Any, keys: Keys, job_id: str) -> None:
     """Queue the reads :func:`due_from` needs: status and waiting count, first lease deadline, first
     approval deadline, and the job's current entry."""
     k = keys.job(job_id)
-    pipe.hmget(k.job, "status", "n_waiting")
+    pipe.hmget(k.job, "status", "n_waiting", "created_ms")  # created_ms: the job index's read too
     pipe.zrange(k.leases, 0, 0, withscores=True)
     pipe.zrange(k.approvals_due, 0, 0, withscores=True)
     pipe.zscore(keys.due, job_id)
@@ -50,7 +50,7 @@ def probe(pipe: Any, keys: Keys, job_id: str) -> None:
 
 def due_from(got: list, now: int) -> float | None:
     """The job's due time from :func:`probe`'s answers; None if its record is gone (drop the entry)."""
-    (status, n_waiting), leases, approvals = got[0], got[1], got[2]
+    (status, n_waiting, _), leases, approvals = got[0], got[1], got[2]
     if status is None:
         return None
     waiting = int(n_waiting or 0) > 0 and status != "cancelled"

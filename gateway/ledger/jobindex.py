@@ -142,22 +142,21 @@ class JobIndex:
             tenant = spec.tenant
         except Exception:  # noqa: BLE001 - no readable spec: the script itself answers missing/corrupt
             return script(keys=keys, args=args)
-        k = self.keys.job(job_id)
         pipe = self.r.pipeline(transaction=False)
         pipe.evalsha(script.sha, len(keys), *keys, *args)
-        pipe.hmget(k.job, "status", "created_ms")
         pipe.hget(self.keys.job_index_meta(tenant), job_id)
-        due_index.probe(pipe, self.keys, job_id)  # and when the supervisor must look at it next
-        res, truth, filed, *probed = pipe.execute(raise_on_error=False)
+        # status and created_ms (the index), and when the supervisor must look at it next (due.py)
+        due_index.probe(pipe, self.keys, job_id)
+        res, filed, *probed = pipe.execute(raise_on_error=False)
         if isinstance(res, NoScriptError):  # not loaded yet (a restarted Redis): nothing ran
             res = script(keys=keys, args=args)
-            truth, filed = self.r.hmget(k.job, "status", "created_ms"), \
-                self.r.hget(self.keys.job_index_meta(tenant), job_id)
             pipe = self.r.pipeline(transaction=False)
+            pipe.hget(self.keys.job_index_meta(tenant), job_id)
             due_index.probe(pipe, self.keys, job_id)
-            probed = pipe.execute(raise_on_error=False)
+            filed, *probed = pipe.execute(raise_on_error=False)
         elif isinstance(res, Exception):
             raise res
+        truth = probed[0] if isinstance(probed[0], Exception) else (probed[0][0], probed[0][2])
         try:
             self._after(tenant, job_id, truth, filed)
         except Exception:  # noqa: BLE001 - the script committed; the supervisor and listings heal it
