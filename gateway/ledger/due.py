@@ -38,13 +38,16 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def probe(pipe: Any, keys: Keys, job_id: str) -> None:
+def probe(pipe: Any, keys: Keys, job_id: str, approvals: bool = True) -> None:
     """Queue the reads :func:`due_from` needs: status and waiting count, first lease deadline, first
-    approval deadline, and the job's current entry."""
+    approval deadline (only a flow with approval stages has any), and the job's current entry."""
     k = keys.job(job_id)
     pipe.hmget(k.job, "status", "n_waiting", "created_ms")  # created_ms: the job index's read too
-    pipe.zrange(k.leases, 0, 0, withscores=True)
-    pipe.zrange(k.approvals_due, 0, 0, withscores=True)
+    # ZRANGE by name (redis-py's own argument building is a good share of this read's cost): the
+    # answer is [member, score] or []
+    pipe.execute_command("ZRANGE", k.leases, 0, 0, "WITHSCORES")
+    if approvals:
+        pipe.execute_command("ZRANGE", k.approvals_due, 0, 0, "WITHSCORES")
     pipe.zscore(keys.due, job_id)
 
 
@@ -58,8 +61,16 @@ def due_from(got: list, now: int) -> float | None:
         return float(now)  # retire it
     if status == "held":
         return INF  # nothing runs for it until it is released (a script: the observer files it)
-    first = [float(s) for _, s in (leases or [])[:1]] + [float(s) for _, s in (approvals or [])[:1]]
-    return min(first, default=INF)
+    return min(_first_score(leases), _first_score(approvals))
+
+
+def _first_score(answer: Any) -> float:
+    """The score of ZRANGE key 0 0 WITHSCORES's answer, flat ([m, s]) or paired ([(m, s)]); +inf if
+    empty or not read."""
+    if not answer:
+        return INF
+    head = answer[0]
+    return float(head[1]) if isinstance(head, (tuple, list)) else float(answer[1])
 
 
 class DueIndex:
@@ -69,19 +80,20 @@ class DueIndex:
         self.r = client
         self.keys = keys
 
-    def after_script(self, job_id: str, got: list, force_now: bool = False) -> None:
-        """After a script: lower the job's entry if its earliest due time moved earlier (or the entry is
-        missing). ``force_now``: the supervisor should look at it next pass whatever its deadlines
-        (a job with approval stages: a batch may have been re-opened at one)."""
+    def after_script(self, job_id: str, got: list, gated: bool = False) -> None:
+        """After a script (``got``: :func:`probe`'s answers, with approvals read only if ``gated``):
+        lower the job's entry if its earliest due time moved earlier (or the entry is missing). A job
+        with approval stages (``gated``) is due now, whatever its deadlines: a batch may have been
+        re-opened at one (``Approvals.open_ready``)."""
         if any(isinstance(g, Exception) for g in got):
             return  # a read failed: the sweep finds a missing entry; a late one heals at settle
         now = now_ms()
-        due = due_from(got, now)
+        due = due_from(got if gated else [got[0], got[1], None], now)
         if due is None:
             return
-        if force_now:
+        if gated:
             due = min(due, float(now))
-        entry = got[3]
+        entry = got[-1]
         if entry is None or due < float(entry):
             self.r.zadd(self.keys.due, {job_id: due}, lt=entry is not None)
 

@@ -139,20 +139,20 @@ class JobIndex:
         filed it; file it again if they differ. The script's answer is returned (or raised) as is."""
         try:
             spec = self.spec_of(job_id)
-            tenant = spec.tenant
+            tenant, gated = spec.tenant, bool(spec.flow.gates())
         except Exception:  # noqa: BLE001 - no readable spec: the script itself answers missing/corrupt
             return script(keys=keys, args=args)
         pipe = self.r.pipeline(transaction=False)
         pipe.evalsha(script.sha, len(keys), *keys, *args)
         pipe.hget(self.keys.job_index_meta(tenant), job_id)
         # status and created_ms (the index), and when the supervisor must look at it next (due.py)
-        due_index.probe(pipe, self.keys, job_id)
+        due_index.probe(pipe, self.keys, job_id, approvals=gated)
         res, filed, *probed = pipe.execute(raise_on_error=False)
         if isinstance(res, NoScriptError):  # not loaded yet (a restarted Redis): nothing ran
             res = script(keys=keys, args=args)
             pipe = self.r.pipeline(transaction=False)
             pipe.hget(self.keys.job_index_meta(tenant), job_id)
-            due_index.probe(pipe, self.keys, job_id)
+            due_index.probe(pipe, self.keys, job_id, approvals=gated)
             filed, *probed = pipe.execute(raise_on_error=False)
         elif isinstance(res, Exception):
             raise res
@@ -162,7 +162,7 @@ class JobIndex:
         except Exception:  # noqa: BLE001 - the script committed; the supervisor and listings heal it
             log.warning("job index: update after a script failed job_id=%s", job_id, exc_info=True)
         try:  # a job with approval stages is looked at after any script: a batch may wait at one
-            self.due.after_script(job_id, probed, force_now=bool(spec.flow.gates()))
+            self.due.after_script(job_id, probed, gated=gated)
         except Exception:  # noqa: BLE001 - the script committed; the supervisor's sweep heals it
             log.warning("due index: update after a script failed job_id=%s", job_id, exc_info=True)
         return res
