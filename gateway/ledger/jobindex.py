@@ -12,8 +12,8 @@ updated by Python, idempotently, right after every ledger script that names a jo
 (``run``: the script and the reads of the job's status and its filed place go in one round trip; the
 index is written only when the two differ, which is only when the status changed). A write lost between
 the script and the index (a crash, Redis going away) heals three ways: a listing checks each job it
-returns against its record and files it again when it moved (``JobList``); the supervisor's pass checks
-every active job (``check``); ``rebuild`` regenerates a tenant's index from the roster and the records.
+returns against its record and files it again when it moved (``JobList``); the supervisor checks each
+active job it looks at (``check``: due jobs, and a few per pass round robin); ``rebuild`` regenerates a tenant's index from the roster and the records.
 """
 
 from __future__ import annotations
