@@ -144,10 +144,16 @@ class JobIndex:
             return script(keys=keys, args=args)
         pipe = self.r.pipeline(transaction=False)
         pipe.evalsha(script.sha, len(keys), *keys, *args)
+        # the due entry, lowered without a second round trip where the caller knows how (due.py): a
+        # lease's deadline; a job with approval stages is due now after any script
+        hint = due_index.now_ms() if gated else due_index.hint_for(job_id)
+        if hint is not None:
+            pipe.zadd(self.keys.due, {job_id: hint}, lt=True)
         pipe.hget(self.keys.job_index_meta(tenant), job_id)
         # status and created_ms (the index), and when the supervisor must look at it next (due.py)
         due_index.probe(pipe, self.keys, job_id, approvals=gated)
-        res, filed, *probed = pipe.execute(raise_on_error=False)
+        res, *rest = pipe.execute(raise_on_error=False)
+        filed, *probed = rest[1:] if hint is not None else rest
         if isinstance(res, NoScriptError):  # not loaded yet (a restarted Redis): nothing ran
             res = script(keys=keys, args=args)
             pipe = self.r.pipeline(transaction=False)
