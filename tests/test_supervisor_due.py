@@ -76,15 +76,15 @@ def test_a_tick_over_many_idle_jobs_reads_none_of_them_and_expires_the_due_lease
     flow_id = ledger.spec(idle).flow.id
     for _ in range(1500):
         jobs.create("acme", JobRequest(flow_id=flow_id))
-    due_job, _ = _expiring_job(ledger, make_job)
+    due_job, held = _expiring_job(ledger, make_job, lease_s=1.5)  # not due before the idle pass
     sup = Supervisor(ledger, name="sup", sweep_visits=0)
     sup.tick()  # the first pass checks every entry once (SSCAN + ZMSCORE pages: no per-job read)
     calls = _during(ledger.r, sup.tick)  # nothing due: no job is read
     assert sum(calls.get(c, 0) for c in PER_JOB_READS) == 0, calls
     assert calls.get("zrangebyscore") == 1, calls  # the due index, once
     assert sum(calls.values()) < 20, calls
-    time.sleep(0.15)  # the two leases pass their deadline
-    calls = _during(ledger.r, sup.tick)
+    time.sleep(max(lease.lease_deadline_ms for lease in held) / 1000 + 0.05 - time.time())
+    calls = _during(ledger.r, sup.tick)  # the two leases are past their deadline
     assert _retries(ledger, due_job) == {"0": 1, "1": 1}  # expired on time
     assert sum(calls.values()) < 100, calls  # a few dozen for the due job, none per idle job
     # the safety net's full visits are a constant per pass, not a share of the jobs
@@ -93,11 +93,11 @@ def test_a_tick_over_many_idle_jobs_reads_none_of_them_and_expires_the_due_lease
 
 
 def test_a_lost_due_entry_is_found_by_the_sweep(ledger, make_job):
-    job_id, _ = _expiring_job(ledger, make_job)
+    job_id, held = _expiring_job(ledger, make_job, lease_s=1.0)
     sup = Supervisor(ledger, name="sup", sweep_visits=0, sweep_s=3600)
-    sup.tick()  # the first round of the sweep has run
+    sup.tick()  # the first round of the sweep has run (the leases are not due yet)
     ledger.r.zrem(ledger.keys.due, job_id)  # a crash between a script and its due write
-    time.sleep(0.15)
+    time.sleep(max(lease.lease_deadline_ms for lease in held) / 1000 + 0.05 - time.time())
     sup.tick()
     assert _retries(ledger, job_id) == {}  # the index drives expiry: a lost entry is not seen...
     sup._check_next = 0.0  # ...until the sweep's next round (every sweep_s)
@@ -107,7 +107,7 @@ def test_a_lost_due_entry_is_found_by_the_sweep(ledger, make_job):
     # a supervisor that starts checks every entry in its first pass: a lost one is filed at once
     lease = ledger.lease(job_id)
     ledger.r.zrem(ledger.keys.due, job_id)
-    time.sleep(0.15)
+    time.sleep(lease.lease_deadline_ms / 1000 + 0.05 - time.time())
     Supervisor(ledger, name="sup-new", sweep_visits=0).tick()
     assert _retries(ledger, job_id)[str(lease.seq)] >= 1
 
@@ -149,6 +149,7 @@ def test_two_supervisors_ticking_together_never_expire_a_lease_twice(ledger, mak
         t.join()
     for job_id in job_ids:
         assert _retries(ledger, job_id) == {str(s): 1 for s in range(5)}
+    assert sum(visited.values()) >= len(job_ids)  # each due job was looked at (by one or the other)
     # and without any claim (the expire script's own fence): four threads expiring the same leases
     for job_id in job_ids:
         for _ in range(5):
