@@ -316,8 +316,12 @@ class Client:
         return self.call("POST", f"/v1/jobs/{_q(job_id)}/batches/{int(seq)}/heartbeat", body)
 
     def complete(self, job_id: str, seq: int, lease_token: str, output: Any, next_cursor: Any = ...,
-                 items: list[Any] | None = None) -> dict[str, Any]:
+                 items: list[Any] | None = None, lease_next: bool = False) -> dict[str, Any]:
+        """Commit; with ``lease_next`` the answer's ``next`` is the job's next batch (or None): one round
+        trip per step."""
         body: dict[str, Any] = {"lease_token": lease_token, "output": output}
+        if lease_next:
+            body["lease_next"] = True
         if next_cursor is not ...:
             body["next_cursor"] = next_cursor
         if items is not None:

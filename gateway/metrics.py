@@ -47,6 +47,10 @@ BATCHES_RETRIED = Counter("batchgate_batches_retried", "Failed attempts that wil
 LEASE_EXPIRIES = Counter("batchgate_lease_expiries", "Leases that ran out (a worker or platform went quiet)",
                          ["stage", "outcome"])
 RECOVERIES = Counter("batchgate_recoveries", "Jobs recovered after a restart of the deployment")
+REDIS_WAIT_SHORT = Counter("batchgate_redis_wait_short", "Commits fewer replicas acknowledged than "
+                           "BATCHGATE_REDIS_WAIT_REPLICAS asks within BATCHGATE_REDIS_WAIT_TIMEOUT (they "
+                           "stand on the master; a failover before replication would lose them)",
+                           ["operation"])
 RECOVERY_SECONDS = Histogram("batchgate_recovery_seconds",
                              "From a restart's start to a job's recovery decided (its leases back in play)",
                              buckets=RECOVERY_BUCKETS)

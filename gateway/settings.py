@@ -79,7 +79,25 @@ class Settings(BaseSettings):
         default=10, ge=1, le=10_000, description="/readyz and `batchgate health` count a supervisor or "
         "worker alive while its last beat is younger than this many supervisor intervals")
     queue_redis_url: SecretStr | None = Field(
-        default=None, description="RQ's Redis (push mode); unset = the ledger's Redis")
+        default=None, description="RQ's Redis (push mode); unset = the ledger's Redis; required in "
+        "cluster mode (RQ needs a plain Redis: docs/design.md, Cluster)")
+    redis_cluster: bool = Field(
+        default=False, description="the ledger's Redis is a Redis Cluster (also implied by a "
+        "redis+cluster:// or rediss+cluster:// BATCHGATE_REDIS_URL)")
+    redis_connect_timeout: timedelta = Field(
+        default=timedelta(seconds=5), description="every Redis client: give up connecting after this long")
+    redis_read_timeout: timedelta = Field(
+        default=timedelta(seconds=30), description="every ledger Redis client: a reply not read within "
+        "this long is a timeout error, not a hang on a half-open connection (longer than any blocking "
+        "command batchgate sends; RQ's queue client gets its own, longer than RQ's BLPOP)")
+    redis_health_check_interval: int = Field(
+        default=30, ge=0, description="seconds a pooled Redis connection may idle before a PING checks it")
+    redis_wait_replicas: int = Field(
+        default=0, ge=0, le=16, description="after each commit script, WAIT for this many replicas to "
+        "acknowledge it (0: no WAIT); fewer within redis_wait_timeout logs a warning and counts "
+        "batchgate_redis_wait_short_total (the commit stands: it took effect on the master)")
+    redis_wait_timeout: timedelta = Field(
+        default=timedelta(milliseconds=500), description="how long one WAIT may take")
     signing_key: SecretStr | None = Field(
         default=None, description="HMAC key for outbound signatures, callback and blob URLs; "
         "unset = a key generated once under data_dir")
@@ -172,7 +190,8 @@ class Settings(BaseSettings):
         return value
 
     @field_validator("idempotency_ttl", "supervisor_interval", "callback_grace", "source_read_timeout",
-                     "outage_pause_after", "outage_cooldown_max", "worker_grace", mode="before")
+                     "outage_pause_after", "outage_cooldown_max", "worker_grace", "redis_connect_timeout",
+                     "redis_read_timeout", "redis_wait_timeout", mode="before")
     @classmethod
     def _seconds(cls, value: object) -> object:
         """Durations from the environment may be plain seconds ("0.2") or ISO 8601 ("PT24H")."""

@@ -7,12 +7,14 @@ codes, problem+json bodies, headers, and that a refused request left the job exa
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime
 
 import pytest
 
 from gateway.api.idempotency import IdempotencyStore, fingerprint
 from gateway.ledger.keys import Keys
+from gateway.push.supervisor import Supervisor
 from tests.conftest import OTHER_TOKEN, TOKEN
 from tests.http import ApiClient, serve_app
 
@@ -804,3 +806,40 @@ def test_a_failure_type_a_worker_reports_shows_with_the_batch(api, make_job, led
     assert shown == ("model quota exceeded", "quota", 1)
     listed = api.get(f"/v1/jobs/{job_id}/batches").json()["batches"]
     assert listed[0]["error_type"] == "quota"
+
+
+def test_complete_and_lease_next_runs_a_job_in_one_request_per_step(api, ledger):
+    """issue 18 item 0: a pull loop pays one round trip per step; the commit stands whatever the lease.
+    A lost answer replayed commits nothing twice; the batch its first answer leased comes back when
+    that lease runs out."""
+    api.post("/v1/flows", json={"id": "ln", "version": "1", "batching": {"max_items": 2},
+                                "source": {"type": "sequence", "count": 10},
+                                "stages": [{"name": "s", "lease": 1,
+                                            "retry": {"initial_interval": 0.1, "maximum_attempts": 3}}]})
+    job_id = api.post("/v1/jobs", json={"flow_id": "ln"}).json()["job_id"]
+    env = api.post(f"/v1/jobs/{job_id}/lease").json()
+    replayed = False
+    deadline = time.monotonic() + 30
+    while True:
+        assert time.monotonic() < deadline
+        body = {"lease_token": env["lease_token"], "output": {"seq": env["seq"]}, "lease_next": True}
+        resp = api.post(f"/v1/jobs/{job_id}/batches/{env['seq']}/complete", json=body)
+        assert resp.status_code == 200 and resp.json()["status"] == "committed", resp.text
+        if not replayed and resp.json()["next"] is not None:
+            replayed = True  # this answer is "lost": the loop sends the same request again
+            resp = api.post(f"/v1/jobs/{job_id}/batches/{env['seq']}/complete", json=body)
+            assert resp.status_code == 200 and resp.json()["duplicate"] is True
+        env = resp.json()["next"]
+        while env is None and resp.headers["Batchgate-Job-Status"] == "running":
+            assert time.monotonic() < deadline, "the orphaned batch never came back"
+            time.sleep(0.1)  # the orphaned batch's lease has not run out yet: the supervisor expires it
+            Supervisor(ledger, name="sup").tick()
+            resp = api.post(f"/v1/jobs/{job_id}/lease")
+            env = resp.json() if resp.status_code == 200 else None
+        if env is None:
+            break
+    assert resp.headers["Batchgate-Job-Status"] == "succeeded"
+    view = api.get(f"/v1/jobs/{job_id}").json()
+    assert view["status"] == "succeeded" and view["batches"]["completed"] == 5
+    log = [f for _, f in ledger.r.xrange(ledger.keys.job(job_id).log) if f["event"] == "stage_completed"]
+    assert sorted(int(f["seq"]) for f in log) == [0, 1, 2, 3, 4]  # each batch committed once

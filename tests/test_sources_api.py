@@ -213,10 +213,16 @@ def test_csv_file_job_reports_progress_and_eta_by_bytes(api, tmp_path):
     assert final["bytes_done"] == size and final["items_done"] == 10 and final["items_total"] == 10
     assert all(v["items_total"] is None for v in views if not v["source_exhausted"])
     # the CLI's bar: bytes of the file while the count is unknown, then items
-    unknown = {**final, "items_total": None, "bytes_done": size // 2}  # as before the file's end is read
+    unknown = {**final, "items_total": None, "bytes_done": size // 2, "items_done": 5}  # halfway
     assert _measure(unknown) == (size, size // 2, "B")
     assert _measure(final) == (size, size, "B")  # one unit for the whole run: no jump at the end
     assert _measure({**final, "bytes_total": None}) == (10, 10, "items")
+    # one slow batch holds the committed cursor at byte 0 while 6 of the 10 planned items are done: the
+    # bar follows the items done over the bytes the planner has cut, not the stalled cursor
+    stalled = {**final, "items_total": None, "bytes_done": 0, "bytes_read": size, "items_planned": 10,
+               "items_done": 6}
+    assert _measure(stalled) == (size, int(size * 0.6), "B")
+    assert final["bytes_read"] == size and final["items_planned"] == 10
 
 
 def test_jsonl_url_job_takes_its_size_from_content_length(api, serve):

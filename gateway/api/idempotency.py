@@ -16,6 +16,7 @@ import redis
 
 from gateway.errors import IdempotencyInFlight, IdempotencyMismatch, InvalidRequest
 from gateway.ledger.keys import Keys
+from gateway.ledger.multi import multi
 
 IN_FLIGHT_TTL = timedelta(minutes=1)
 
@@ -40,7 +41,7 @@ class IdempotencyStore:
         rkey = self._keys.idempotency(tenant, key)
         in_flight_ms = int(IN_FLIGHT_TTL.total_seconds() * 1000)
         if self._r.set(self._keys.idempotency_claim(tenant, key), fp, nx=True, px=in_flight_ms):
-            pipe = self._r.pipeline(transaction=True)
+            pipe = multi(self._r)
             pipe.hset(rkey, mapping={"fp": fp, "state": "in_flight"})
             pipe.pexpire(rkey, in_flight_ms)
             pipe.execute()
@@ -58,7 +59,7 @@ class IdempotencyStore:
         """Store the response to replay for the key's lifetime."""
         rkey = self._keys.idempotency(tenant, key)
         ttl_ms = int(self._ttl.total_seconds() * 1000)
-        pipe = self._r.pipeline(transaction=True)
+        pipe = multi(self._r)
         pipe.hset(rkey, mapping={"state": "done", "status": str(status), "body": json.dumps(body)})
         pipe.pexpire(rkey, ttl_ms)
         pipe.pexpire(self._keys.idempotency_claim(tenant, key), ttl_ms)

@@ -165,7 +165,7 @@ VIEW_SCHEMAS: dict[str, Any] = {
         error=_nullable(STR), held_reason=_nullable(STR), source_error=_nullable(STR),
         waiting=_nullable(_obj(["reason"], reason=STR, target=_nullable(STR), since_ms=_nullable(INT),
                                retry_at_ms=_nullable(INT))),
-        bytes_done=_nullable(INT), bytes_total=_nullable(INT),
+        bytes_done=_nullable(INT), bytes_total=_nullable(INT), bytes_read=_nullable(INT), items_planned=INT,
         created_ms=INT, updated_ms=INT, finished_ms=_nullable(INT)),
     "JobList": _obj(["jobs"], jobs={"type": "array", "items": _ref("JobView")},
                     next={"type": "string", "description": "the next page (the same filters and a cursor); "
@@ -192,7 +192,8 @@ VIEW_SCHEMAS: dict[str, Any] = {
     "HeartbeatResult": _obj(["job_id", "seq", "lease_deadline", "job_status"], job_id=STR, seq=INT,
                             lease_deadline={**STR, "format": "date-time"}, job_status=STR),
     "CompleteResult": _obj(["job_id", "seq", "stage", "attempt", "status", "duplicate"],
-                           job_id=STR, seq=INT, stage=STR, attempt=INT, status=STR, duplicate=BOOL),
+                           job_id=STR, seq=INT, stage=STR, attempt=INT, status=STR, duplicate=BOOL,
+                           next=_nullable(_ref("LeaseEnvelope"))),
     "FailResult": _obj(["job_id", "seq", "attempt", "outcome"], job_id=STR, seq=INT, attempt=INT,
                        outcome=STR),
     "CallbackResult": OBJ,

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.api.common import json_body, request_services
 from gateway.api.jobs import request_quotas
+from gateway.errors import QuotaExceeded
 from gateway.ledger.ledger import ABSENT
 from gateway.validation import parse
 
@@ -44,6 +45,11 @@ class CompleteRequest(BaseModel):
     prompt: Any = None
     timeout_s: float | None = Field(default=None, ge=1, le=30 * 86_400,
                                     description="waiting_human: the approval's timeout (default: max_run)")
+    lease_next: bool = Field(default=False, description="and lease the job's next ready batch in the same "
+                             "request: the answer's ``next`` is its envelope, or null (then "
+                             "Batchgate-Job-Status says whether to wait or stop); one round trip per step")
+    next_stage: str | None = Field(default=None, max_length=64,
+                                   description="lease_next: only a batch waiting for this stage")
 
 
 class FailureDetail(BaseModel):
@@ -100,8 +106,22 @@ def complete(job_id: str, seq: int):
         opened = services.ledger.open_platform_approval(job_id, seq, req.lease_token, req.prompt,
                                                         timeout=timeout)
         return jsonify({"job_id": job_id, "seq": seq, "status": "waiting_human", **opened})
-    return jsonify(services.ledger.complete(job_id, seq, req.lease_token, req.output,
-                                            req.next_cursor, req.items))
+    done = services.ledger.complete(job_id, seq, req.lease_token, req.output, req.next_cursor, req.items)
+    if not req.lease_next:
+        return jsonify(done)
+    # the commit stands whatever happens next; the lease counts against the tenant's lease quota as a
+    # POST /lease would, and a refusal is no error of the commit: next is null, Retry-After says when
+    try:
+        request_quotas().admit_lease(g.tenant)
+    except QuotaExceeded as exc:
+        wait = int(exc.retry_after.total_seconds()) if exc.retry_after else 1
+        return jsonify({**done, "next": None}), 200, {"Batchgate-Job-Status": "running",
+                                                      "Retry-After": str(max(1, wait))}
+    leased = services.ledger.lease(job_id, req.next_stage)
+    if leased is None:
+        status = services.ledger.job_fields(job_id)["status"]
+        return jsonify({**done, "next": None}), 200, {"Batchgate-Job-Status": status}
+    return jsonify({**done, "next": leased.envelope()}), 200, {"Batchgate-Job-Status": "running"}
 
 
 @bp.post("/batches/<int:seq>/fail")

@@ -21,6 +21,7 @@ from datetime import timedelta
 import redis
 
 from gateway.ledger.keys import Keys
+from gateway.ledger.multi import multi
 from gateway.settings import Settings
 
 SESSION_TTL = timedelta(hours=12)
@@ -64,7 +65,7 @@ class SessionStore:
         """A new session for ``tenant``, signed in with ``token`` (only its digest is kept)."""
         session = Session(secrets.token_urlsafe(TOKEN_BYTES), tenant, secrets.token_urlsafe(TOKEN_BYTES))
         key = self.keys.console_session(session.session_id)
-        pipe = self.r.pipeline(transaction=True)
+        pipe = multi(self.r)
         pipe.hset(key, mapping={"tenant": tenant, "csrf": session.csrf, "token_sha256": token_digest(token),
                                 "created_ms": int(time.time() * 1000)})
         pipe.expire(key, SESSION_TTL)

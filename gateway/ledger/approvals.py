@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway import metrics
 from gateway.errors import Conflict, CorruptRecord, Forbidden, InvalidRequest, JobCancelled, NotFound
+from gateway.ledger.multi import multi
 from gateway.ledger.records import dumps, intact, loads_or_none
 
 if TYPE_CHECKING:
@@ -180,7 +181,7 @@ class Approvals:
     def file(self, tenant: str, approval_id: str, created_ms: int, status: str) -> None:
         """File an approval under ``status`` (and under no other listed status); void ones nowhere."""
         member = _member(created_ms, approval_id)
-        pipe = self.r.pipeline(transaction=True)
+        pipe = multi(self.r)
         for s in LISTED:
             if s != status:
                 pipe.zrem(self.keys.approval_index(tenant, s), member)

@@ -100,10 +100,72 @@ def _private_child() -> None:
     os.umask(0o077)
 
 
-def client_for(url: str) -> redis.Redis:
-    """A redis-py client as batchgate uses it everywhere (str replies, bytes kept intact)."""
-    return redis.Redis.from_url(url, decode_responses=True, encoding_errors="surrogateescape",
-                                health_check_interval=30)
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+#: RQ's worker waits on its queue with BLPOP for up to its dequeue timeout (gateway/push/worker.py wakes
+#: it every IDLE_WAKE_S); the queue client's read timeout must outlast that wait.
+QUEUE_READ_TIMEOUT_S = 60.0
+
+
+class ClusterQueueMissing(RuntimeError):
+    """Cluster mode without BATCHGATE_QUEUE_REDIS_URL: RQ cannot run on a Redis Cluster."""
+
+
+def is_cluster(url: str, settings: Settings | None = None) -> bool:
+    """Whether ``url`` (the ledger's Redis) names a Redis Cluster: a ``redis+cluster://`` scheme, or
+    BATCHGATE_REDIS_CLUSTER=1."""
+    scheme = url.split("://", 1)[0].lower()
+    return scheme in CLUSTER_SCHEMES or bool(settings is not None and settings.redis_cluster)
+
+
+def client_for(url: str, settings: Settings | None = None, *,
+               read_timeout: float | None = None) -> redis.Redis:
+    """A redis-py client as batchgate uses it everywhere (str replies, bytes kept intact), with connect
+    and read timeouts (a half-open connection is a TimeoutError, not a hang) and a health check.
+
+    A cluster URL (``redis+cluster://host:port``, or any URL with BATCHGATE_REDIS_CLUSTER=1) gives a
+    ``RedisCluster``: it has the same commands, scripts and (single-slot) pipelines; docs/design.md,
+    Cluster, says what batchgate keeps in one slot for it."""
+    s = settings or Settings.model_construct()
+    options = dict(decode_responses=True, encoding_errors="surrogateescape",
+                   socket_connect_timeout=_seconds(s, "redis_connect_timeout", 5.0),
+                   socket_timeout=read_timeout or _seconds(s, "redis_read_timeout", 30.0),
+                   health_check_interval=getattr(s, "redis_health_check_interval", 30))
+    if is_cluster(url, settings):
+        from redis.cluster import RedisCluster
+
+        scheme, rest = url.split("://", 1)
+        plain = f"{CLUSTER_SCHEMES.get(scheme.lower(), scheme)}://{rest}"
+        return RedisCluster.from_url(plain, **options)
+    return redis.Redis.from_url(url, **options)
+
+
+def queue_client_for(settings: Settings) -> redis.Redis:
+    """RQ's Redis: BATCHGATE_QUEUE_REDIS_URL, else the ledger's. RQ needs a plain Redis (MULTI over its
+    queue, job and registry keys, which no hash tag joins), so cluster mode requires the setting."""
+    url = settings.redis_url.get_secret_value() if settings.redis_url else None
+    qurl = settings.queue_redis_url.get_secret_value() if settings.queue_redis_url else None
+    if qurl is None:
+        if url is not None and is_cluster(url, settings):
+            raise ClusterQueueMissing(
+                "the ledger's Redis is a Redis Cluster, where RQ cannot run: set "
+                "BATCHGATE_QUEUE_REDIS_URL to a plain (non-cluster) Redis for the push queue")
+        qurl = url
+    if qurl is None:
+        raise RuntimeError("push mode needs BATCHGATE_REDIS_URL (set by `batchgate up`)")
+    if is_cluster(qurl):
+        raise ClusterQueueMissing("BATCHGATE_QUEUE_REDIS_URL must name a plain (non-cluster) Redis: "
+                                  "RQ cannot run on a Redis Cluster")
+    # bytes replies, as RQ expects; a read timeout longer than RQ's BLPOP wait
+    return redis.Redis.from_url(qurl, socket_connect_timeout=_seconds(settings, "redis_connect_timeout", 5.0),
+                                socket_timeout=max(QUEUE_READ_TIMEOUT_S,
+                                                   _seconds(settings, "redis_read_timeout", 30.0)),
+                                health_check_interval=settings.redis_health_check_interval)
+
+
+def _seconds(settings: Settings, name: str, default: float) -> float:
+    value = getattr(settings, name, None)
+    return value.total_seconds() if value is not None else default
 
 
 class EmbeddedRedis:
@@ -273,7 +335,12 @@ def connect(settings: Settings) -> tuple[redis.Redis, Settings]:
     BATCHGATE_DATA_DIR; NoLedgerRedis if neither (never starts a server: see ``procs.start_embedded``).
     """
     if settings.redis_url is not None:
-        return client_for(settings.redis_url.get_secret_value()), settings
+        url = settings.redis_url.get_secret_value()
+        if is_cluster(url, settings) and settings.queue_redis_url is None:
+            raise NoLedgerRedis(
+                "BATCHGATE_REDIS_URL names a Redis Cluster, where RQ (the push queue) cannot run: set "
+                "BATCHGATE_QUEUE_REDIS_URL to a plain (non-cluster) Redis as well")
+        return client_for(url, settings), settings
     data_dir = Path(settings.data_dir).resolve()
     url = recorded_url(data_dir)
     if url is None:
@@ -282,4 +349,4 @@ def connect(settings: Settings) -> tuple[redis.Redis, Settings]:
             f"data dir {data_dir} (BATCHGATE_DATA_DIR). Start `batchgate up` (it runs the embedded "
             f"Redis) or set BATCHGATE_REDIS_URL to your Redis.")
     log.info("joining the embedded redis of `batchgate up` at %s", url)
-    return client_for(url), settings.model_copy(update={"redis_url": SecretStr(url)})
+    return client_for(url, settings), settings.model_copy(update={"redis_url": SecretStr(url)})

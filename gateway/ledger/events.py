@@ -23,6 +23,7 @@ import redis
 
 from gateway.errors import InvalidRequest, NotFound
 from gateway.ledger.keys import Keys
+from gateway.ledger.multi import multi
 
 #: Event types a subscription may ask for. Job events are appended by lib.lua ``save`` in whichever script
 #: changes the job's status; the others by lib.lua ``emit`` in the script that makes the change:
@@ -73,7 +74,7 @@ class SubscriptionStore:
         sub_id = "sub_" + secrets.token_hex(8)
         record = {"id": sub_id, "tenant": tenant, "url": url, "events": ",".join(sorted(set(events))),
                   "secret": new_secret(), "created_ms": str(int(time.time() * 1000))}
-        pipe = self.r.pipeline(transaction=True)
+        pipe = multi(self.r)
         pipe.hset(self.keys.subscription(sub_id), mapping=record)
         pipe.sadd(self.keys.subscriptions(tenant), sub_id)
         pipe.execute()
@@ -96,7 +97,7 @@ class SubscriptionStore:
 
     def delete(self, tenant: str, sub_id: str) -> None:
         self.owned(tenant, sub_id)
-        pipe = self.r.pipeline(transaction=True)
+        pipe = multi(self.r)
         pipe.srem(self.keys.subscriptions(tenant), sub_id)
         pipe.delete(self.keys.subscription(sub_id), self.keys.sub_cursor(sub_id),
                     self.keys.sub_retry(sub_id), self.keys.sub_deliveries(sub_id))

@@ -25,12 +25,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
+from gateway import metrics
 from gateway.ledger import due as due_index
 from gateway.ledger.keys import Keys
+from gateway.ledger.multi import multi
 
 log = logging.getLogger(__name__)
+
+#: Scripts that commit a job's progress or decisions: with BATCHGATE_REDIS_WAIT_REPLICAS each is followed
+#: by WAIT. Leases, heartbeats and source failures are left out: losing one on a failover only repeats
+#: work (a lease runs out again), never loses a result.
+COMMITS = frozenset({"plan", "complete", "fail", "expire", "reopen", "replan", "set_status", "cancel",
+                     "begin", "outage", "unwait", "handle", "decide", "open_approval"})
 
 STATUSES = ("running", "paused", "held", "waiting_human", "succeeded", "failed", "cancelled")
 INDEX_FORMAT = "1"  # bump when the index's members or keys change: the supervisor then rebuilds it
@@ -76,6 +85,8 @@ class JobIndex:
         self.keys = keys
         self.spec_of = spec_of
         self.due = due_index.DueIndex(client, keys)  # the supervisor's due index follows scripts too
+        #: (replicas, timeout ms): WAIT after each commit script (BATCHGATE_REDIS_WAIT_REPLICAS); None: no
+        self.wait: tuple[int, int] | None = None
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -109,7 +120,7 @@ class JobIndex:
     def refile(self, tenant: str, job_id: str, f: Filed, old: Filed | None = None,
                stray: str | None = None) -> None:
         """File one job at ``f`` now (one MULTI); ``stray`` is a set it was found in and must leave."""
-        pipe = self.r.pipeline(transaction=True)
+        pipe = multi(self.r)
         if stray is not None and stray not in self.keys_of(tenant, f):
             pipe.zrem(stray, member(f.created_ms, job_id))
         self.file(pipe, tenant, job_id, f, old)
@@ -142,27 +153,39 @@ class JobIndex:
             tenant, gated = spec.tenant, bool(spec.flow.gates())
         except Exception:  # noqa: BLE001 - no readable spec: the script itself answers missing/corrupt
             return script(keys=keys, args=args)
-        pipe = self.r.pipeline(transaction=False)
-        pipe.evalsha(script.sha, len(keys), *keys, *args)
+        k = self.keys.job(job_id)
+        operation = getattr(script, "name", "").removeprefix("ledger.")
+        wait = self.wait if self.wait is not None and operation in COMMITS else None
         # the due entry, lowered without a second round trip where the caller knows how (due.py): a
         # lease's deadline; a job with approval stages is due now after any script
         hint = due_index.now_ms() if gated else due_index.hint_for(job_id)
-        if hint is not None:
-            pipe.zadd(self.keys.due, {job_id: hint}, lt=True)
-        pipe.hget(self.keys.job_index_meta(tenant), job_id)
-        # status and created_ms (the index), and when the supervisor must look at it next (due.py)
-        due_index.probe(pipe, self.keys, job_id, approvals=gated)
-        res, *rest = pipe.execute(raise_on_error=False)
-        filed, *probed = rest[1:] if hint is not None else rest
-        if isinstance(res, NoScriptError):  # not loaded yet (a restarted Redis): nothing ran
-            res = script(keys=keys, args=args)
+        for loaded in (False, True):
             pipe = self.r.pipeline(transaction=False)
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # a cluster pipeline
+            if wait is not None:  # blocks .evalsha; WAIT follows the script on its connection
+                pipe.execute_command("WAIT", *wait, **self._node_of(k.job))
+            if hint is not None:
+                pipe.zadd(self.keys.due, {job_id: hint}, lt=True)
             pipe.hget(self.keys.job_index_meta(tenant), job_id)
+            # status and created_ms (the index), and when the supervisor must look at it next (due.py)
             due_index.probe(pipe, self.keys, job_id, approvals=gated)
-            filed, *probed = pipe.execute(raise_on_error=False)
-        elif isinstance(res, Exception):
-            raise res
+            res, *replies = pipe.execute(raise_on_error=False)
+            if isinstance(res, NoScriptError) and not loaded:  # a restarted Redis: nothing ran
+                self.r.script_load(_text(script))
+                continue
+            break
+        acked = replies.pop(0) if wait is not None else None
+        if hint is not None:
+            replies.pop(0)
+        filed, *probed = replies
         truth = probed[0] if isinstance(probed[0], Exception) else (probed[0][0], probed[0][2])
+        if isinstance(res, Exception):
+            raise res
+        if wait is not None and (not isinstance(acked, int) or acked < wait[0]):
+            metrics.REDIS_WAIT_SHORT.labels(operation).inc()
+            log.warning("commit acknowledged by %s of %s replicas within %s ms (it stands on the master; "
+                        "a failover now would lose it) operation=%s job_id=%s",
+                        acked if isinstance(acked, int) else "?", wait[0], wait[1], operation, job_id)
         try:
             self._after(tenant, job_id, truth, filed)
         except Exception:  # noqa: BLE001 - the script committed; the supervisor and listings heal it
@@ -172,6 +195,11 @@ class JobIndex:
         except Exception:  # noqa: BLE001 - the script committed; the supervisor's sweep heals it
             log.warning("due index: update after a script failed job_id=%s", job_id, exc_info=True)
         return res
+
+    def _node_of(self, key: str) -> dict[str, Any]:
+        """On a cluster, the master serving ``key`` (a keyless WAIT goes where the script went)."""
+        node_of = getattr(self.r, "get_node_from_key", None)
+        return {"target_nodes": node_of(key)} if node_of is not None else {}
 
     def _after(self, tenant: str, job_id: str, truth: Any, filed: Any) -> None:
         if isinstance(truth, Exception) or isinstance(filed, Exception) or not truth[0]:
@@ -261,7 +289,7 @@ class JobIndex:
                     truth[job_id] = f
         removed = self._sweep(tenant, truth)
         for start in range(0, len(truth), CHUNK):
-            pipe = self.r.pipeline(transaction=True)
+            pipe = multi(self.r)
             for job_id in list(truth)[start:start + CHUNK]:
                 self.file(pipe, tenant, job_id, truth[job_id])
             pipe.execute()
@@ -302,3 +330,10 @@ def _filed(status: str | None, created: str | None, flow: str | None) -> Filed |
         return Filed(status, spec_flow["id"], spec_flow["version"], int(created or 0))
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _text(script: Any) -> str:
+    """The Lua text of a registered script (redis-py's Script, maybe inside scripts.Traced)."""
+    while not isinstance(script, Script):
+        script = script.script
+    return script.script

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from gateway.errors import CorruptRecord, InvalidRequest, NotFound
 from gateway.ledger.flows import NAME
 from gateway.ledger.jobindex import STATUSES, Filed, job_of, member
+from gateway.ledger.multi import multi
 from gateway.validation import problem_errors
 
 MAX_ROUNDS = 20  # index reads per request while entries turn out stale; then the page ends early
@@ -192,7 +193,7 @@ def _verified(service: Any, tenant: str, key: str, query: ListQuery,
     dropped (record gone) or filed again (moved)."""
     ledger = service.ledger
     ids = [job_of(e) for e in entries]
-    pipe = ledger.r.pipeline(transaction=True)  # one instant: a view never shows a lease its counts lack
+    pipe = multi(ledger.r)  # one instant: a view never shows a lease its counts lack
     meta = ledger.keys.job_index_meta(tenant)
     cached = {job_id: ledger.fresh_spec(job_id) for job_id in ids}
     for job_id in ids:
@@ -237,7 +238,7 @@ def _verified(service: Any, tenant: str, key: str, query: ListQuery,
 
 def _drop(ledger: Any, tenant: str, key: str, gone: list[tuple[str, str, str]]) -> None:
     """Jobs whose retention ran out leave the index, the roster and the quota's active set."""
-    pipe = ledger.r.pipeline(transaction=True)
+    pipe = multi(ledger.r)
     for job_id, filed, entry in gone:
         pipe.zrem(key, entry)
         old = Filed.decode(filed)

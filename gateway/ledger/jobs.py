@@ -148,6 +148,7 @@ class JobService:
             # succeeded within its failure budget, with batches whose items were never stored
             "retryable_failed": int(job["n_failed"]) if job["status"] == "succeeded" else 0,
             "items_done": done,
+            "items_planned": int(job.get("items_planned") or 0),
             "items_total": total,
             "progress": None if not total else round(position / total, 4),
             "rate_items_per_s": round(rate, 2),

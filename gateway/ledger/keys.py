@@ -71,10 +71,10 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
 ``<p>:sub:<id>:deliveries``           list    newest delivery attempts (JSON), capped
 ``<p>:events:pending``                set     retired job ids whose outbox may still hold undelivered
                                               events (the deliverer also reads every active job)
-``<p>:target:<id>:slots``             zset    calls in flight to one platform target; score = expiry
-``<p>:target:<id>:breaker``           hash    an open circuit breaker: the target is unavailable
-                                              (since_ms, until_ms, fails, error, probe_ms); outage.lua
-``<p>:target:<id>:waiting``           set     job ids with batches waiting for that target to answer
+``<p>:target:{<id>}:slots``           zset    calls in flight to one platform target; score = expiry
+``<p>:target:{<id>}:breaker``         hash    an open circuit breaker: the target is unavailable
+                                              (since_ms, until_ms, fails, error, probe_ms); breaker.lua
+``<p>:target:{<id>}:waiting``         set     job ids with batches waiting for that target to answer
 ``<p>:push:jobs``                     set     job ids with push stages the workers feed (kick adds)
 ``<p>:push:wake``                     list    job ids whose work may be ready now (kick pushes)
 ``<p>:quota:active:{<tenant>}``       set     the tenant's job ids that may still be active: added
@@ -251,13 +251,13 @@ class Keys:
         return f"{self.prefix}:idem:{tenant}:{digest}"
 
     def target_slots(self, target_id: str) -> str:
-        return f"{self.prefix}:target:{target_id}:slots"
+        return f"{self.prefix}:target:{{{target_id}}}:slots"
 
     def target_breaker(self, target_id: str) -> str:
-        return f"{self.prefix}:target:{target_id}:breaker"
+        return f"{self.prefix}:target:{{{target_id}}}:breaker"
 
     def target_waiting(self, target_id: str) -> str:
-        return f"{self.prefix}:target:{target_id}:waiting"
+        return f"{self.prefix}:target:{{{target_id}}}:waiting"
 
     @property
     def push_jobs(self) -> str:

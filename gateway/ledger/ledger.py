@@ -33,6 +33,7 @@ from gateway.ledger.control import ControlOps
 from gateway.ledger.jobindex import Filed, JobIndex
 from gateway.ledger.jobspec import JobSpec, RedisListView
 from gateway.ledger.keys import JobKeys, Keys
+from gateway.ledger.multi import multi
 from gateway.ledger.planner import batches_per_plan, cut_batches
 from gateway.ledger.records import digest, dumps, intact, loads_or_none, seal
 from gateway.ledger.scripts import Scripts
@@ -98,6 +99,9 @@ class Ledger(ControlOps, ApprovalOps):
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.index = JobIndex(client, self.keys, self.spec)  # follows every job script's status change
+        if settings.redis_wait_replicas:  # durable commits: WAIT after each (JobIndex.run)
+            self.index.wait = (settings.redis_wait_replicas,
+                               int(settings.redis_wait_timeout.total_seconds() * 1000))
         self.scripts = Scripts.register(client, self.index)
         self._specs: OrderedDict[str, tuple[JobSpec, float]] = OrderedDict()  # spec, seen current at
         self._specs_lock = threading.Lock()  # gunicorn threads share the cache
@@ -185,7 +189,7 @@ class Ledger(ControlOps, ApprovalOps):
         """The job hash (checked) and its number of leased batches, read at one instant (MULTI): a
         view never shows a lease of a batch its counters do not hold yet."""
         k = self.keys.job(job_id)
-        pipe = self.r.pipeline(transaction=True)
+        pipe = multi(self.r)
         pipe.hgetall(k.job)
         pipe.zcard(k.leases)
         fields, leased = pipe.execute()
@@ -216,7 +220,7 @@ class Ledger(ControlOps, ApprovalOps):
             "n_open": "0", "n_done": "0", "n_failed": "0", "items_done": "0", "error": "",
             "src_failures": "0", "src_error": "", "src_retry_ms": "0", "held_reason": "",
         }
-        pipe = self.r.pipeline(transaction=True)
+        pipe = multi(self.r)
         for start in range(0, len(inline_items or []), 1000):
             pipe.rpush(k.src, *[dumps(i) for i in inline_items[start:start + 1000]])
         pipe.hset(k.spec, mapping=seal(spec.to_fields()))

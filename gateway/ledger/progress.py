@@ -22,7 +22,11 @@ def progress_of(spec: JobSpec, job: dict[str, str]) -> dict[str, Any]:
     """``bytes_done`` and ``bytes_total`` of a job; ``progress`` (0..1) and ``eta_s`` from bytes when
     the item count is unknown but the source's size is (files), to merge over the item-based view."""
     done, total = bytes_done(spec, loads_or_none(job["committed_cursor"])), spec.total_bytes
-    out: dict[str, Any] = {"bytes_done": done, "bytes_total": total}
+    frontier = loads_or_none(job.get("frontier") or "null")
+    read = (total if job.get("exhausted") == "1" else bytes_done(spec, frontier)) if done is not None else None
+    # bytes_read: how far batches were cut (the planner's frontier); with items_planned and items_done it
+    # tells progress while the committed cursor waits on one slow batch (the CLI's bar uses it)
+    out: dict[str, Any] = {"bytes_done": done, "bytes_total": total, "bytes_read": read}
     if spec.total_hint or not total or done is None:
         return out
     elapsed_s = max((int(job["updated_ms"]) - int(job["created_ms"])) / 1000, 1e-3)

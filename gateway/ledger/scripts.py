@@ -13,7 +13,8 @@ from gateway import tracing
 
 OPERATIONS = (
     "plan", "lease", "heartbeat", "complete", "fail", "expire", "reopen", "replan", "set_status", "selfcheck",
-    "slot", "cancel", "begin", "source_fail", "outage", "unwait", "handle", "decide", "open_approval",
+    "slot", "cancel", "begin", "source_fail", "breaker", "outage", "unwait", "handle", "decide",
+    "open_approval",
 )
 
 
@@ -69,6 +70,7 @@ class Scripts:
     cancel: Script
     begin: Script
     source_fail: Script
+    breaker: Script
     outage: Script
     unwait: Script
     handle: Script

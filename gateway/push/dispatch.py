@@ -10,7 +10,7 @@ run_leased      takes a slot on the stage's target (slot.lua: ``max_in_flight``,
                 starts the call in the ledger (begin.lua), calls the connector and acts on the outcome:
                 commit or fail through the ledger, wait for the callback, schedule a poll (RQ), or, when
                 the target is unavailable, give the batch back without spending an attempt and cool the
-                target down (outage.lua).
+                target down (breaker.lua, outage.lua).
 poll_stage      (an RQ job, scheduled with ``enqueue_in``) heartbeats the lease and polls the platform run;
                 the next poll waits twice as long as the last, from the stage's ``poll_interval`` up to
                 :func:`poll_cap` (60 s, at most half the stage's lease so the lease stays alive), and the
@@ -53,10 +53,11 @@ from connectors.base import (
 )
 from gateway import metrics, tracing
 from gateway.errors import BatchgateError, JobCancelled, NotFound, RunTooLong, StaleLease
-from gateway.ledger.embedded import client_for
+from gateway.ledger.embedded import client_for, queue_client_for
 from gateway.ledger.flows import Stage
 from gateway.ledger.jobspec import JobSpec
 from gateway.ledger.ledger import ABSENT, Lease, Ledger
+from gateway.ledger.multi import multi
 from gateway.ledger.records import dumps, loads_or_none
 from gateway.net.keepalive import idle_limit
 from gateway.net.outbound import session_for
@@ -161,9 +162,8 @@ class Dispatcher:
         url = settings.redis_url.get_secret_value() if settings.redis_url else None
         if url is None:
             raise RuntimeError("push mode needs BATCHGATE_REDIS_URL (set by `batchgate up`)")
-        ledger = ledger or Ledger(client_for(url), settings)
-        qurl = settings.queue_redis_url.get_secret_value() if settings.queue_redis_url else url
-        queue = TokenlessQueue(QUEUE_NAME, connection=redis.Redis.from_url(qurl), serializer=JSONSerializer)
+        ledger = ledger or Ledger(client_for(url, settings), settings)
+        queue = TokenlessQueue(QUEUE_NAME, connection=queue_client_for(settings), serializer=JSONSerializer)
         # every trigger and poll goes through the outbound guard: checked addresses, checked redirect hops
         return cls(settings, ledger, queue, session_for(settings), Allowlist.parse(settings.outbound_allow))
 
@@ -185,7 +185,7 @@ class Dispatcher:
 
     def woken(self) -> list[str]:
         """Take the job ids kicked since the last look (one round trip)."""
-        pipe = self.ledger.r.pipeline(transaction=True)
+        pipe = multi(self.ledger.r)
         pipe.lrange(self.ledger.keys.push_wake, 0, -1)
         pipe.delete(self.ledger.keys.push_wake)
         found, _ = pipe.execute()
@@ -196,7 +196,8 @@ class Dispatcher:
         created before a kick could register them, e.g. by an older version)."""
         r, k = self.ledger.r, self.ledger.keys
         if rescan:
-            for job_id in r.sdiff(k.active, k.push_jobs):
+            # two reads, not SDIFF: the two sets may sit on two slots of a Redis Cluster
+            for job_id in r.smembers(k.active) - r.smembers(k.push_jobs):
                 try:
                     spec = self.ledger.spec(job_id)
                 except BatchgateError:
@@ -554,13 +555,18 @@ class Dispatcher:
         tid = target_id(stage.target)
         parts = urlsplit(stage.target.get("url") or stage.target.get("base_url") or "")
         label = f"{parts.scheme}://{parts.netloc}"
+        # two scripts, two slots (a Redis Cluster keeps a script in one): the target's breaker cools
+        # down first, then the batch is given back until then. A crash between leaves the breaker
+        # cooling and the lease to expire: no call is made twice, the batch is retried later.
+        until_ms, since_ms = self.ledger.scripts.breaker(
+            keys=[keys.target_breaker(tid), keys.target_waiting(tid)],
+            args=[err.message[:500], int((err.retry_after_s or 0) * 1000), OUTAGE_FIRST_COOLDOWN_MS,
+                  self._longest_cooldown_ms(err), spec.job_id])
         res = self.ledger.scripts.outage(
-            keys=[k.job, k.batch(seq), k.leases, k.ready(stage_idx), k.log, k.audit,
-                  keys.target_breaker(tid), keys.target_waiting(tid), k.events],
-            args=[token, err.message[:500], int((err.retry_after_s or 0) * 1000), OUTAGE_FIRST_COOLDOWN_MS,
-                  self._longest_cooldown_ms(err),
+            keys=[k.job, k.batch(seq), k.leases, k.ready(stage_idx), k.log, k.audit, k.events],
+            args=[token, err.message[:500], until_ms, since_ms, 0,
                   int(self.settings.outage_pause_after.total_seconds() * 1000), self.settings.log_maxlen,
-                  label, spec.job_id])
+                  label])
         if res[0] == "waiting":
             log.warning("target %s unavailable (%s): job_id=%s seq=%s waits until %s, no attempt spent",
                         label, err.message[:200], spec.job_id, seq, res[1])
@@ -622,7 +628,7 @@ def dispatcher() -> Dispatcher:
                 url = settings.redis_url.get_secret_value() if settings.redis_url else None
                 if url is None:
                     raise RuntimeError("push mode needs BATCHGATE_REDIS_URL (set by `batchgate up`)")
-                _SHARED["settings"], _SHARED["ledger"] = settings, Ledger(client_for(url), settings)
+                _SHARED["settings"], _SHARED["ledger"] = settings, Ledger(client_for(url, settings), settings)
         d = _LOCAL.dispatcher = Dispatcher.build(_SHARED["settings"], _SHARED["ledger"])
     return d
 

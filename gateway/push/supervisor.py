@@ -31,6 +31,7 @@ from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.generation import Generation
 from gateway.ledger.ledger import Ledger
 from gateway.ledger.liveness import Liveness
+from gateway.ledger.multi import multi
 from gateway.push.webhooks import Deliverer
 
 log = logging.getLogger(__name__)
@@ -289,7 +290,7 @@ class Supervisor:
 
     def _retire(self, job_id: str, status: str) -> None:
         self._count_recovered(job_id, status)
-        pipe = self.ledger.r.pipeline(transaction=True)  # its events stay watched by the deliverer
+        pipe = multi(self.ledger.r)  # its events stay watched by the deliverer
         if status != "failed":
             spec = self.ledger.spec(job_id)
             self.ledger.expire_job(job_id, spec.flow.retention)

@@ -6,7 +6,7 @@ when the call starts, and no batch holds a lease while it waits for a worker (no
 that can outlive a worker). The ledger's ready sets are the queue (their scores are the scheduler: a
 retry's backoff, a target's cooldown); lease.lua hands each batch to exactly one caller across every
 thread of every worker process on every machine. The flow's ``concurrency`` (lease.lua), each target's
-``max_in_flight`` and circuit breaker (slot.lua, outage.lua) live in Redis and hold across all of them.
+``max_in_flight`` and circuit breaker (slot.lua, breaker.lua) live in Redis and hold across all of them.
 
 Why not one RQ job per batch (the design before): RQ's per-job bookkeeping (enqueue, dequeue, started
 and finished registries, results) cost more than the ledger's own work per batch, a batch leased for

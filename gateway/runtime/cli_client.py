@@ -423,7 +423,10 @@ def _measure(job: dict[str, Any]) -> tuple[float | None, float, str]:
     """(total, done, unit): a file's bytes from start to end (one unit for the whole run, so the
     bar never jumps when the item count becomes known), else items, with their total if known."""
     if job.get("bytes_total"):
-        return job["bytes_total"], job.get("bytes_done") or 0, "B"
+        done = job.get("bytes_done") or 0
+        if job.get("bytes_read") and job.get("items_planned"):  # batches done out of order count too
+            done = max(done, int(job["bytes_read"] * min(job["items_done"] / job["items_planned"], 1.0)))
+        return job["bytes_total"], done, "B"
     return job.get("items_total") or None, job["items_done"], "items"
 
 

@@ -1,0 +1,116 @@
+"""Every Redis client batchgate makes has connect and read timeouts: a half-open connection (the peer
+stops answering without closing, as after a partition or a failover) is a TimeoutError, not a hang."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import redis
+
+from gateway.ledger.embedded import client_for, queue_client_for
+from gateway.settings import Settings
+
+
+class FreezingProxy:
+    """A TCP proxy on 127.0.0.1 to ``port`` that stops forwarding (both ways) once frozen, keeping every
+    connection open: what a client sees of a half-open connection."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.frozen = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self.sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            if not self.frozen.is_set():  # frozen: swallowed, nothing goes on, nothing is closed
+                dst.sendall(data)
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self.sockets:
+            sock.close()
+
+
+@pytest.fixture
+def tcp_redis(tmp_path):
+    """A redis-server on a loopback TCP port (the embedded one listens on a unix socket only)."""
+    import subprocess
+
+    from gateway.ledger.embedded import find_redis_server, free_port
+
+    port = free_port()
+    proc = subprocess.Popen([find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis(port=port).ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+    yield port
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_a_half_open_connection_is_a_timeout_not_a_hang(tcp_redis):
+    proxy = FreezingProxy(tcp_redis)
+    try:
+        settings = Settings(redis_url=f"redis://127.0.0.1:{proxy.port}/0", redis_read_timeout=0.5)
+        client = client_for(settings.redis_url.get_secret_value(), settings)
+        client.set("k", "v")
+        assert client.get("k") == "v"
+        proxy.frozen.set()
+        start = time.monotonic()
+        with pytest.raises(redis.TimeoutError):
+            client.get("k")
+        assert time.monotonic() - start < 5
+    finally:
+        proxy.close()
+
+
+def test_every_client_has_connect_and_read_timeouts_and_a_health_check(tcp_redis):
+    settings = Settings(redis_url=f"redis://127.0.0.1:{tcp_redis}/0")
+    ledger = client_for(settings.redis_url.get_secret_value(), settings).connection_pool.connection_kwargs
+    assert (ledger["socket_connect_timeout"], ledger["socket_timeout"]) == (5.0, 30.0)
+    assert ledger["health_check_interval"] == 30
+    queue = queue_client_for(settings).connection_pool.connection_kwargs
+    assert queue["socket_connect_timeout"] == 5.0
+    assert queue["socket_timeout"] >= 60  # longer than RQ's BLPOP wait (gateway/push/worker.py)
+    assert client_for("redis://127.0.0.1:1/0").connection_pool.connection_kwargs["socket_timeout"] == 30.0
+
+
+def test_cluster_mode_without_a_queue_redis_refuses_to_start_naming_the_setting():
+    from gateway.ledger.embedded import ClusterQueueMissing, NoLedgerRedis, connect
+
+    for settings in (Settings(redis_url="redis+cluster://127.0.0.1:1"),
+                     Settings(redis_url="redis://127.0.0.1:1", redis_cluster=True)):
+        with pytest.raises(NoLedgerRedis, match="BATCHGATE_QUEUE_REDIS_URL"):
+            connect(settings)
+        with pytest.raises(ClusterQueueMissing, match="BATCHGATE_QUEUE_REDIS_URL"):
+            queue_client_for(settings)
