@@ -12,8 +12,8 @@ updated by Python, idempotently, right after every ledger script that names a jo
 (``run``: the script and the reads of the job's status and its filed place go in one round trip; the
 index is written only when the two differ, which is only when the status changed). A write lost between
 the script and the index (a crash, Redis going away) heals three ways: a listing checks each job it
-returns against its record and files it again when it moved (``JobList``); the supervisor's pass checks
-every active job (``check``); ``rebuild`` regenerates a tenant's index from the roster and the records.
+returns against its record and files it again when it moved (``JobList``); the supervisor checks each
+active job it looks at (``check``: due jobs, and a few per pass round robin); ``rebuild`` regenerates a tenant's index from the roster and the records.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from gateway import metrics
+from gateway.ledger import due as due_index
 from gateway.ledger.keys import Keys
 from gateway.ledger.multi import multi
 
@@ -83,6 +84,7 @@ class JobIndex:
         self.r = client
         self.keys = keys
         self.spec_of = spec_of
+        self.due = due_index.DueIndex(client, keys)  # the supervisor's due index follows scripts too
         #: (replicas, timeout ms): WAIT after each commit script (BATCHGATE_REDIS_WAIT_REPLICAS); None: no
         self.wait: tuple[int, int] | None = None
 
@@ -147,26 +149,36 @@ class JobIndex:
         """Run a job's script and, in the same round trip, read the job's status and where the index
         filed it; file it again if they differ. The script's answer is returned (or raised) as is."""
         try:
-            tenant = self.spec_of(job_id).tenant
+            spec = self.spec_of(job_id)
+            tenant, gated = spec.tenant, bool(spec.flow.gates())
         except Exception:  # noqa: BLE001 - no readable spec: the script itself answers missing/corrupt
             return script(keys=keys, args=args)
         k = self.keys.job(job_id)
         operation = getattr(script, "name", "").removeprefix("ledger.")
         wait = self.wait if self.wait is not None and operation in COMMITS else None
+        # the due entry, lowered without a second round trip where the caller knows how (due.py): a
+        # lease's deadline; a job with approval stages is due now after any script
+        hint = due_index.now_ms() if gated else due_index.hint_for(job_id)
         for loaded in (False, True):
             pipe = self.r.pipeline(transaction=False)
             pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # a cluster pipeline
             if wait is not None:  # blocks .evalsha; WAIT follows the script on its connection
                 pipe.execute_command("WAIT", *wait, **self._node_of(k.job))
-            pipe.hmget(k.job, "status", "created_ms")
+            if hint is not None:
+                pipe.zadd(self.keys.due, {job_id: hint}, lt=True)
             pipe.hget(self.keys.job_index_meta(tenant), job_id)
+            # status and created_ms (the index), and when the supervisor must look at it next (due.py)
+            due_index.probe(pipe, self.keys, job_id, approvals=gated)
             res, *replies = pipe.execute(raise_on_error=False)
             if isinstance(res, NoScriptError) and not loaded:  # a restarted Redis: nothing ran
                 self.r.script_load(_text(script))
                 continue
             break
         acked = replies.pop(0) if wait is not None else None
-        truth, filed = replies
+        if hint is not None:
+            replies.pop(0)
+        filed, *probed = replies
+        truth = probed[0] if isinstance(probed[0], Exception) else (probed[0][0], probed[0][2])
         if isinstance(res, Exception):
             raise res
         if wait is not None and (not isinstance(acked, int) or acked < wait[0]):
@@ -178,6 +190,10 @@ class JobIndex:
             self._after(tenant, job_id, truth, filed)
         except Exception:  # noqa: BLE001 - the script committed; the supervisor and listings heal it
             log.warning("job index: update after a script failed job_id=%s", job_id, exc_info=True)
+        try:  # a job with approval stages is looked at after any script: a batch may wait at one
+            self.due.after_script(job_id, probed, gated=gated)
+        except Exception:  # noqa: BLE001 - the script committed; the supervisor's sweep heals it
+            log.warning("due index: update after a script failed job_id=%s", job_id, exc_info=True)
         return res
 
     def _node_of(self, key: str) -> dict[str, Any]:

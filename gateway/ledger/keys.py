@@ -29,6 +29,7 @@ Per job (owner: the ledger scripts; expiry: retention, see ``Ledger.apply_retent
 ``<p>:{<job>}:approvals:due``  zset    pending approval ids; score = deadline (ms): the supervisor's timeouts
 ``<p>:{<job>}:planlock``       string  who is reading the source to plan the next batch, short TTL
 ``<p>:{<job>}:recover``        string  supervisor recovery claim, short TTL
+``<p>:{<job>}:supclaim``       string  a supervisor looking at the job now (SET NX PX, due.py)
 =============================  ======  =====================================================
 
 Global (updated outside scripts, idempotently; rebuildable from the job keys):
@@ -57,6 +58,9 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
 ``<p>:decide:key``                    string  HMAC key of signed decision links when no signing_key
                                               is configured (generated once, SET NX)
 ``<p>:active``                        set     job ids the supervisor watches
+``<p>:due``                           zset    active job id -> when the supervisor must next look at
+                                              it (first lease or approval deadline; now to retire;
+                                              +inf: nothing due); due.py, a cache of the job's keys
 ``<p>:idem:<tenant>:<sha256>``        hash    Idempotency-Key record; TTL ``idempotency_ttl``
 ``<p>:idemclaim:<tenant>:<sha256>``   string  first claim of that key (request fingerprint)
 ``<p>:sub:<id>``                      hash    a webhook subscription (tenant, url, events, secret)
@@ -156,6 +160,10 @@ class JobKeys:
         return f"{self._base}:recover"
 
     @property
+    def sup_claim(self) -> str:
+        return f"{self._base}:supclaim"
+
+    @property
     def approvals(self) -> str:
         return f"{self._base}:approvals"
 
@@ -233,6 +241,10 @@ class Keys:
     @property
     def active(self) -> str:
         return f"{self.prefix}:active"
+
+    @property
+    def due(self) -> str:
+        return f"{self.prefix}:due"
 
     def idempotency(self, tenant: str, key: str) -> str:
         digest = hashlib.sha256(key.encode()).hexdigest()

@@ -27,6 +27,7 @@ from gateway.errors import (
     SourceUnavailable,
     StaleLease,
 )
+from gateway.ledger import due as due_index
 from gateway.ledger.approvals import ApprovalOps, Approvals, gate_keys, gates_arg
 from gateway.ledger.control import ControlOps
 from gateway.ledger.jobindex import Filed, JobIndex
@@ -232,6 +233,7 @@ class Ledger(ControlOps, ApprovalOps):
         self.index.file(pipe, spec.tenant, spec.job_id,
                         Filed("running", spec.flow.id, spec.flow.version, int(now)))
         pipe.sadd(self.keys.active, spec.job_id)
+        pipe.zadd(self.keys.due, {spec.job_id: float("inf")})  # watched; nothing due until a lease
         pipe.execute()
         log.info("job created job_id=%s flow=%s@%s", spec.job_id, spec.flow.id, spec.flow.version)
 
@@ -271,7 +273,9 @@ class Ledger(ControlOps, ApprovalOps):
         while True:
             token = secrets.token_urlsafe(16)
             holder = token if plans else ""  # the plan lock's holder: this lease's random token
-            res = self.scripts.lease(keys=keys, args=[token, *fixed, holder, PLAN_LOCK_MS, prefetch, *pairs])
+            with due_index.hinted(job_id, min(pairs[2::2])):  # its due entry, in the same round trip
+                res = self.scripts.lease(keys=keys, args=[token, *fixed, holder, PLAN_LOCK_MS, prefetch,
+                                                          *pairs])
             tag = res[0]
             if tag == "ok":
                 _, seq, idx, attempt, deadline, start, end, items, prev, gen = res
@@ -353,12 +357,13 @@ class Ledger(ControlOps, ApprovalOps):
                     *[key for i in range(len(batches)) for key in (k.batch(first + i), k.items(first + i))],
                     k.events]
             planned = True
-            out = self.scripts.plan(
-                keys=keys,
-                args=[next_seq, frontier, holder, self.settings.log_maxlen, spec.budget_total,
-                      spec.flow.tolerated_failure_percentage, token,
-                      lease_ms or int(spec.flow.stages[0].lease.total_seconds() * 1000),
-                      spec.flow.concurrency, len(batches), *[v for b in batches for v in b]])
+            first_lease_ms = lease_ms or int(spec.flow.stages[0].lease.total_seconds() * 1000)
+            with due_index.hinted(spec.job_id, first_lease_ms):
+                out = self.scripts.plan(
+                    keys=keys,
+                    args=[next_seq, frontier, holder, self.settings.log_maxlen, spec.budget_total,
+                          spec.flow.tolerated_failure_percentage, token, first_lease_ms,
+                          spec.flow.concurrency, len(batches), *[v for b in batches for v in b]])
         finally:
             if not planned and self.r.get(k.plan_lock) == holder:
                 self.r.delete(k.plan_lock)
@@ -621,7 +626,10 @@ class Ledger(ControlOps, ApprovalOps):
         for key in self._all_keys(job_id):
             pipe.persist(key)
         pipe.execute()
-        self.r.sadd(self.keys.active, job_id)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.sadd(self.keys.active, job_id)
+        pipe.zadd(self.keys.due, {job_id: int(time.time() * 1000)}, lt=True)  # look at it next pass
+        pipe.execute()
 
 
 class WindowedListView(RedisListView):

@@ -172,7 +172,7 @@ class Dispatcher:
     def kick(self, job_id: str) -> None:
         """Tell the workers ``job_id`` may have work now (a job created, resumed, a callback committed):
         it joins the fed jobs and its idle backoff ends. A job without push stages is left out (the
-        supervisor kicks every running job; its spec is in this process's cache)."""
+        supervisor kicks each running job it looks at; its spec is in this process's cache)."""
         if not push_stages(self.ledger.spec(job_id)):
             return
         pipe = self.ledger.r.pipeline(transaction=False)

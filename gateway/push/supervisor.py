@@ -1,8 +1,13 @@
 """Supervisor: expires leases that ran out, recovers jobs left running by a crash, applies retention,
 and delivers event webhooks (gateway/push/webhooks.py, in a thread of its own).
 
-Several supervisors may run at once: recovery claims a job with SET NX before touching it, and the
-expire script re-checks every deadline, so a lease is never expired twice.
+A pass follows due work, not the number of jobs: it reads the due index (``<p>:due``, gateway/ledger/
+due.py: job -> when it must next be looked at) for jobs due now, plus one page of a sweep that finds
+lost index entries and a few full visits round robin (the safety net the old every-job pass was).
+
+Several supervisors may run at once: each claims a due job (``supclaim``, SET NX PX) before looking at
+it, recovery claims a job with SET NX before touching it, and the expire script re-checks every
+deadline, so a lease is never expired twice.
 
 Start-up recovery runs once per restart of the deployment, not once per supervisor start: whichever
 process contacts Redis first after every earlier one stopped or crashed (a supervisor, a worker, an API
@@ -16,10 +21,12 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from gateway import logs, metrics
 from gateway.errors import BatchgateError, Conflict, CorruptRecord, NotFound
+from gateway.ledger import due as due_index
 from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.generation import Generation
 from gateway.ledger.ledger import Ledger
@@ -31,6 +38,11 @@ log = logging.getLogger(__name__)
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 RECOVERY_CLAIM_MS = 60_000
+DUE_BATCH = 500  # due jobs claimed in one round trip
+CLAIM_MS = 15_000  # a supervisor's claim on a job it is looking at (deleted when it is done)
+SWEEP_S = 60.0  # a round of the lost-due-entry sweep starts at most this often
+SWEEP_PAGE = 1000  # active jobs that sweep checks per pass (one SSCAN and one ZMSCORE)
+SWEEP_VISITS = 20  # active jobs looked at in full per pass, round robin, due or not
 RETRY_MAX_S = 2.0  # longest wait between two tries at start while Redis is down
 REDIS_DOWN_LOG_S = 30.0  # while Redis stays down, one warning this often
 
@@ -102,8 +114,16 @@ class Supervisor:
     """One supervisor process (or thread); ``run`` loops until ``stop`` is set."""
 
     def __init__(self, ledger: Ledger, name: str | None = None, dispatcher: Any = None,
-                 deliverer: Deliverer | None = None) -> None:
+                 deliverer: Deliverer | None = None, sweep_visits: int = SWEEP_VISITS,
+                 sweep_page: int = SWEEP_PAGE, sweep_s: float = SWEEP_S) -> None:
         self.ledger = ledger
+        self.due = ledger.index.due  # when each active job must next be looked at (due.py)
+        self.sweep_visits, self.sweep_page, self.sweep_s = sweep_visits, sweep_page, sweep_s
+        self._check_cursor = 0  # the lost-entry sweep's place in the active set
+        self._check_next = 0.0  # monotonic time its next round may start
+        self._first_round = True
+        self._visit_cursor = 0  # the round-robin full visits' place in the active set
+        self._visit_buf: deque[str] = deque()
         self.deliverer = deliverer or Deliverer(ledger)  # webhooks: its own thread, started by run
         self.dispatcher = dispatcher
         self.settings = ledger.settings
@@ -127,24 +147,115 @@ class Supervisor:
         return recover_jobs(self.ledger, self.name, crash_ms)
 
     def tick(self) -> None:
-        """One pass: expire due leases of active jobs; retire finished jobs from the active set."""
+        """One pass: look at the jobs the due index says are due (expire their due leases, time out
+        approvals, retire finished jobs), then one step of each sweep (lost due entries; a few jobs
+        looked at in full, round robin). Its cost follows due work, not the number of active jobs."""
+        self.liveness.beat(force=True)
+        self._sweep_check()
+        seen: set[str] = set()
+        while not self.stop.is_set():
+            fresh = [j for j in self.due.due(due_index.now_ms(), DUE_BATCH) if j not in seen]
+            if not fresh:
+                break  # nothing more due (or only jobs this pass already looked at: next pass)
+            seen.update(fresh)
+            self._visit_many(fresh)
+        self._sweep_visits()
+
+    def tick_all(self) -> None:
+        """Look at every active job in full (the pass before the due index; benchmarks compare)."""
         self.liveness.beat(force=True)
         for job_id in self.ledger.r.smembers(self.ledger.keys.active):
-            self.liveness.beat()  # a pass over many jobs: still alive
-            try:
-                with logs.bind(job_id=job_id):
-                    self._tick_job(job_id)
-            except (NotFound, CorruptRecord):
-                self.ledger.r.srem(self.ledger.keys.active, job_id)
-                self.ledger.forget(job_id)
-            except BatchgateError as exc:  # e.g. its source is unreachable: other jobs go on
-                log.warning("supervisor: job_id=%s skipped this pass: %s", job_id, exc.detail)
-            except REDIS_DOWN:
-                raise  # the whole pass waits for Redis (run)
-            except Exception:  # noqa: BLE001 - one job's surprise must not stop the others' expiry
-                log.exception("supervisor: job_id=%s skipped this pass after an unexpected error", job_id)
+            self.liveness.beat()
+            self._visit(job_id)
 
-    def _tick_job(self, job_id: str) -> None:
+    def _visit_many(self, job_ids: list[str]) -> None:
+        """Claim each job (another supervisor looking at it now keeps it), look at it, and settle its
+        due entry; a job no longer active loses its entry."""
+        r, keys = self.ledger.r, self.ledger.keys
+        pipe = r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.set(keys.job(job_id).sup_claim, self.name, nx=True, px=CLAIM_MS)
+            pipe.sismember(keys.active, job_id)
+        got = pipe.execute()
+        claimed, gone = [], []
+        for job_id, won, active in zip(job_ids, got[0::2], got[1::2], strict=True):
+            if won:
+                (claimed if active else gone).append(job_id)
+        settle = []
+        try:
+            for job_id in claimed:
+                self.liveness.beat()  # a pass over many jobs: still alive
+                if self._visit(job_id):
+                    settle.append(job_id)
+            self.due.settle(settle)
+        finally:
+            pipe = r.pipeline(transaction=False)
+            for job_id in gone:
+                self.due.drop(pipe, job_id)
+            for job_id in claimed + gone:
+                pipe.delete(keys.job(job_id).sup_claim)
+            pipe.execute()
+
+    def _visit(self, job_id: str) -> bool:
+        """Look at one job; False if it left supervision (retired, or its record is gone)."""
+        try:
+            with logs.bind(job_id=job_id):
+                return self._tick_job(job_id)
+        except (NotFound, CorruptRecord):
+            pipe = self.ledger.r.pipeline(transaction=False)
+            pipe.srem(self.ledger.keys.active, job_id)
+            self.due.drop(pipe, job_id)
+            pipe.execute()
+            self.ledger.forget(job_id)
+            return False
+        except BatchgateError as exc:  # e.g. its source is unreachable: other jobs go on
+            log.warning("supervisor: job_id=%s skipped this pass: %s", job_id, exc.detail)
+        except REDIS_DOWN:
+            raise  # the whole pass waits for Redis (run)
+        except Exception:  # noqa: BLE001 - one job's surprise must not stop the others' expiry
+            log.exception("supervisor: job_id=%s skipped this pass after an unexpected error", job_id)
+        return True
+
+    def _sweep_check(self) -> None:
+        """Find active jobs whose due entry was lost and file them: one page of the active set per
+        pass (ZMSCORE: no per-job read), a round at most every ``sweep_s``; the first round after
+        start runs whole (an upgrade from data written before the index files every job at once)."""
+        r, keys = self.ledger.r, self.ledger.keys
+        if self._check_cursor == 0:
+            if time.monotonic() < self._check_next:
+                return
+            self._check_next = time.monotonic() + self.sweep_s
+        while True:
+            self._check_cursor, ids = r.sscan(keys.active, self._check_cursor, count=self.sweep_page)
+            lost = self.due.missing(list(dict.fromkeys(ids)))
+            if lost:
+                log.warning("supervisor: %d active job(s) had no due entry; filing them", len(lost))
+                for start in range(0, len(lost), DUE_BATCH):
+                    self.due.settle(lost[start:start + DUE_BATCH])
+            if self._check_cursor == 0:
+                self._first_round = False
+                return
+            if not self._first_round:
+                return
+            self.liveness.beat()
+
+    def _sweep_visits(self) -> None:
+        """Look at ``sweep_visits`` active jobs in full, round robin over the active set: the slow
+        safety net the old every-job pass was (index check, lost approval listings, pump)."""
+        if self.sweep_visits <= 0:
+            return
+        buf = self._visit_buf
+        while len(buf) < self.sweep_visits:
+            self._visit_cursor, ids = self.ledger.r.sscan(self.ledger.keys.active, self._visit_cursor,
+                                                          count=max(100, self.sweep_visits))
+            buf.extend(ids)
+            if self._visit_cursor == 0:
+                break
+        batch = list(dict.fromkeys(buf.popleft() for _ in range(min(self.sweep_visits, len(buf)))))
+        if batch:
+            self._visit_many(batch)
+
+    def _tick_job(self, job_id: str) -> bool:
         job = self.ledger.job_fields(job_id)
         if job.get("corrupt"):
             raise CorruptRecord(f"job {job_id} failed its checksum")
@@ -158,10 +269,12 @@ class Supervisor:
             waiting = int(job.get("n_waiting") or 0) > 0 and job["status"] != "cancelled"
         if job["status"] in TERMINAL and not waiting:
             self._retire(job_id, job["status"])
-        elif job["status"] in ("running", "paused", "waiting_human"):  # a held job is left as it is
+            return False
+        if job["status"] in ("running", "paused", "waiting_human"):  # a held job is left as it is
             self.ledger.expire_due(job_id, actor=self.name)
             if self.dispatcher is not None and job["status"] == "running":
                 self.dispatcher.pump(job_id)
+        return True
 
     def _approvals(self, job_id: str) -> None:
         """Open approvals for batches re-opened at an approval stage, decide those past their deadline
@@ -186,6 +299,7 @@ class Supervisor:
             pipe.srem(self.ledger.keys.quota_active(spec.tenant), job_id)
         pipe.sadd(self.ledger.keys.events_pending, job_id)
         pipe.srem(self.ledger.keys.active, job_id)
+        self.due.drop(pipe, job_id)
         pipe.execute()
         self.ledger.forget(job_id)  # this process will not look at it again: no spec kept for it
         log.info("job retired from supervision job_id=%s status=%s", job_id, status)
