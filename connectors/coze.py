@@ -30,7 +30,7 @@ import json
 from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, quote, urlencode, urlsplit
+from urllib.parse import quote, urlencode
 
 import requests
 
@@ -51,6 +51,7 @@ from connectors.base import (
     never_forwarded,
     retry_after_s,
 )
+from connectors.coze_codes import FATAL_CODES, run_evidence
 from connectors.targets import TargetChecker, checked
 from connectors.transport import (
     answer_from_value,
@@ -71,8 +72,6 @@ FIELDS = ("base_url", "token_secret", "workflow_id", "mode", "studio", "paramete
 RETRYABLE_CODES = frozenset({4009, 4013, 4020, 4102, 5000})
 OUTAGE_CODES = frozenset({4009, 4020, 4102})
 """Throttles (system cap, RPM, risk control "retry later"): the target refuses calls for a while."""
-FATAL_CODES = frozenset({4000, 4100, 4101, 4200, 4010, 4011, 4019, 4022, 4008, 4314, 4315, 6003, 700012006,
-                         6031, 6039})
 UNKNOWN_CODES = frozenset({6023, 720701013, 720702085})
 """Coze Studio: the run timed out (6023; 720702085 before its OpenAPI mapping) or failed in a node
 (720701013): it ran, possibly with side effects, and may be known by polling its execute_id."""
@@ -247,30 +246,6 @@ def _checked_body(resp: requests.Response, call: StageCall, execute_id: str | No
     if resp.ok and code == 0:
         return body, pids
     raise _code_error(resp, body, code, call, pids, poll=poll)
-
-
-def run_evidence(body: dict[str, Any]) -> tuple[bool, str | None]:
-    """Whether a failed answer shows that a run was created, and its execute_id when known.
-
-    An ``execute_id`` field counts; so does a ``debug_url``, unless its ``execute_id`` query parameter is
-    ``0`` (Coze Studio builds a debug_url for every error, with zeros when no run exists).
-    """
-    execute_id = str(body.get("execute_id") or "").strip()
-    if execute_id and execute_id != "0":
-        return True, execute_id
-    debug_url = body.get("debug_url")
-    if not isinstance(debug_url, str) or not debug_url:
-        return False, None
-    try:
-        values = parse_qs(urlsplit(debug_url).query).get("execute_id") or []
-    except ValueError:
-        values = []
-    if not values:
-        return True, None  # a debug_url that names no execution: assume a run, without a handle
-    value = values[0].strip()
-    if value in ("", "0"):
-        return False, None
-    return True, value
 
 
 def _code(value: Any) -> int | None:

@@ -29,6 +29,7 @@ import requests
 import urllib3
 
 from connectors.base import Decision, Done, Outcome, PlatformError, Retry, Running, StageCall, WaitingHuman
+from connectors.coze_codes import FATAL_CODES, run_evidence
 from connectors.sse import frames
 from connectors.transport import (
     Progress,
@@ -86,8 +87,6 @@ def read(resp: requests.Response, call: StageCall, answer_of: AnswerOf,
 
 
 def _execute_id(debug_url: Any) -> dict[str, str]:
-    from connectors.coze import run_evidence  # coze imports this module
-
     _, execute_id = run_evidence({"debug_url": debug_url})
     return ids(execute_id=execute_id, debug_url=debug_url)
 
@@ -130,8 +129,6 @@ def _prompt(data: Any, messages: list[str]) -> str | None:
 
 def _error(data: dict[str, Any], call: StageCall, pids: dict[str, str]) -> PlatformError:
     """An ``Error`` event: the run ran and failed (FATAL for codes that rule a retry out)."""
-    from connectors.coze import FATAL_CODES  # coze imports this module
-
     code = data.get("error_code")
     retry = Retry.FATAL if code in FATAL_CODES else Retry.IF_IDEMPOTENT
     message = clip(data.get("error_message") or "no error message", call)

@@ -122,6 +122,7 @@ class Client:
         self.timeout = timeout
         self.session = session or requests.Session()
         self.found: Found | None = None
+        self._last_lease_status: str | None = None
         if token:
             self.session.headers["Authorization"] = f"Bearer {token}"
 
@@ -304,7 +305,7 @@ class Client:
 
     def job_status_of_last_lease(self) -> str | None:
         """The ``Batchgate-Job-Status`` header of the last :meth:`lease` answer."""
-        return getattr(self, "_last_lease_status", None)
+        return self._last_lease_status
 
     def heartbeat(self, job_id: str, seq: int, lease_token: str, progress: Any = None,
                   extend_s: float | None = None) -> dict[str, Any]:

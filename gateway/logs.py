@@ -45,10 +45,6 @@ def bind(**fields: Any) -> Iterator[None]:
         _CONTEXT.reset(token)
 
 
-def context() -> dict[str, Any]:
-    return dict(_CONTEXT.get() or {})
-
-
 def redact_paths(text: str) -> str:
     return SIGNED_PATH.sub(lambda m: f"{m.group(1)}{m.group(2)}…", text)
 

@@ -97,16 +97,14 @@ def enabled() -> bool:
 
 
 @contextlib.contextmanager
-def span(name: str, kind: str = "internal", parent_headers: Any = None, **attributes: Any) -> Iterator[Any]:
-    """A span around the block (None when tracing is off); ``parent_headers``: continue their
-    ``traceparent`` (a server span)."""
+def span(name: str, kind: str = "internal", **attributes: Any) -> Iterator[Any]:
+    """A span around the block (None when tracing is off)."""
     if _tracer is None:
         yield None
         return
-    from opentelemetry import propagate, trace
+    from opentelemetry import trace
 
-    context = propagate.extract(parent_headers) if parent_headers is not None else None
-    with _tracer.start_as_current_span(name, context=context, kind=getattr(trace.SpanKind, kind.upper()),
+    with _tracer.start_as_current_span(name, kind=getattr(trace.SpanKind, kind.upper()),
                                        attributes={k: v for k, v in attributes.items() if v is not None}) as s:
         yield s
 

@@ -12,6 +12,20 @@ TOKEN = "t-acme-0123456789"
 OTHER_TOKEN = "t-globex-0123456789"
 
 
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """A test that runs a server command in process (cli.main: it sets the root logger up, as the
+    process it stands for should) leaves the root logger as it found it, so later tests in the same
+    worker do not get every INFO line on their captured stderr."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))

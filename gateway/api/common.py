@@ -38,6 +38,14 @@ def request_services() -> Services:
     return current_app.extensions["batchgate"]
 
 
+def app_service(name: str, make: Callable[[Services], Any]) -> Any:
+    """A helper object kept once per app under ``name``, made from the app's Services on first use."""
+    found = current_app.extensions.get(name)
+    if found is None:
+        found = current_app.extensions.setdefault(name, make(request_services()))
+    return found
+
+
 def require_json_type() -> None:
     """415 unless the request's Content-Type is application/json or application/*+json."""
     if not is_json_mimetype(request.mimetype):

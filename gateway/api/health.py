@@ -9,6 +9,8 @@ jobs never recover, so a load balancer should know). ``/healthz`` stays as it wa
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 
 from flask import Blueprint, jsonify
@@ -63,11 +65,13 @@ def readyz():
 def _scripts(client) -> dict:
     """Every ledger script is in Redis's script cache (one that is missing, after a restart or SCRIPT
     FLUSH, is loaded now: redis-py would load it on first use anyway; this checks it compiles)."""
+    texts = _script_texts()
     try:
-        texts = [source(name) for name in OPERATIONS]
-        shas = [client.script_load(text) for text, there in
-                zip(texts, client.script_exists(*[_sha(t) for t in texts]), strict=True) if not there]
-        return {"ok": True, "loaded_now": len(shas)}
+        missing = [text for (sha, text), there in zip(texts, client.script_exists(*[sha for sha, _ in texts]),
+                                                        strict=True) if not there]
+        for text in missing:
+            client.script_load(text)
+        return {"ok": True, "loaded_now": len(missing)}
     except RedisError as exc:
         return {"ok": False, "detail": f"loading the ledger's scripts failed ({type(exc).__name__})"}
 
@@ -90,10 +94,10 @@ def _supervisor(services) -> dict:
     return out
 
 
-def _sha(text: str) -> str:
-    import hashlib
-
-    return hashlib.sha1(text.encode()).hexdigest()
+@functools.cache
+def _script_texts() -> tuple[tuple[str, str], ...]:
+    """(sha1, text) of every ledger script, read from the package once per process."""
+    return tuple((hashlib.sha1(text.encode()).hexdigest(), text) for text in map(source, OPERATIONS))
 
 
 @bp.get("/openapi.json")

@@ -7,10 +7,10 @@ from datetime import datetime, timezone
 from urllib.parse import urlencode
 
 import redis
-from flask import Blueprint, current_app, g, jsonify, request
+from flask import Blueprint, g, jsonify, request
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.api.common import Services, idempotent, json_body, query_int, request_services
+from gateway.api.common import Services, app_service, idempotent, json_body, query_int, request_services
 from gateway.errors import InvalidRequest
 from gateway.ledger.joblist import parse_query
 from gateway.ledger.jobs import JobRequest, MigrateRequest, ResumeRequest, new_job_id
@@ -26,12 +26,7 @@ LOG_ID = r"-|[0-9]{1,19}(-[0-9]{1,19})?"
 
 def request_quotas() -> Quotas:
     """The app's per-tenant quotas (made on first use, one per app)."""
-    quotas = current_app.extensions.get("batchgate.quotas")
-    if quotas is None:
-        services = request_services()
-        quotas = current_app.extensions.setdefault(
-            "batchgate.quotas", Quotas(services.redis, services.ledger.keys, services.settings))
-    return quotas
+    return app_service("batchgate.quotas", lambda s: Quotas(s.redis, s.ledger.keys, s.settings))
 
 
 @bp.post("")

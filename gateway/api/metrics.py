@@ -63,7 +63,7 @@ class LedgerCollector:
         yield from families
 
     def _families(self, r, keys) -> list:
-        tenants = sorted({k[len(keys.jobs_pattern) - 1:] for k in r.scan_iter(keys.jobs_pattern, count=SCAN_COUNT)})
+        tenants = self.services.ledger.index.tenants()
         pipe = r.pipeline(transaction=False)
         for tenant in tenants:
             for status in STATUSES:

@@ -27,7 +27,7 @@ from flask import (
 )
 from werkzeug.exceptions import HTTPException
 
-from gateway.api.common import Services, request_services
+from gateway.api.common import Services, app_service, request_services
 from gateway.console.sessions import COOKIE, COOKIE_PATH, SESSION_TTL, Session, SessionStore
 from gateway.errors import BatchgateError, RetryableError
 from gateway.security import tenant_for_token
@@ -62,12 +62,7 @@ NAV: list[NavItem] = [NavItem("console.jobs", "Jobs", "console.job")]
 
 def sessions() -> SessionStore:
     """The app's session store (made on first use)."""
-    store = current_app.extensions.get("batchgate.console")
-    if store is None:
-        services = request_services()
-        store = current_app.extensions.setdefault(
-            "batchgate.console", SessionStore(services.redis, services.ledger.keys, services.settings))
-    return store
+    return app_service("batchgate.console", lambda s: SessionStore(s.redis, s.ledger.keys, s.settings))
 
 
 def current() -> Session:

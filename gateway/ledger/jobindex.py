@@ -260,11 +260,14 @@ class JobIndex:
         log.info("job index built for %d tenants", len(report))
         return True
 
+    def tenants(self) -> list[str]:
+        """Every tenant with a roster (that ever had a job), sorted."""
+        head = self.keys.jobs_pattern[:-1]
+        return sorted({key[len(head):] for key in self.r.scan_iter(self.keys.jobs_pattern, count=1000)})
+
     def rebuild_all(self) -> dict[str, dict[str, int]]:
         """Rebuild every tenant's index (every tenant with a roster)."""
-        head = self.keys.jobs_pattern[:-1]
-        tenants = sorted({key[len(head):] for key in self.r.scan_iter(self.keys.jobs_pattern, count=1000)})
-        return {tenant: self.rebuild(tenant) for tenant in tenants}
+        return {tenant: self.rebuild(tenant) for tenant in self.tenants()}
 
     def rebuild(self, tenant: str) -> dict[str, int]:
         """Regenerate ``tenant``'s index from its roster and the job records: every job with a record

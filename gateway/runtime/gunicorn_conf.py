@@ -159,7 +159,6 @@ def post_worker_init(worker: Any) -> None:
 
 def child_exit(server: Any, worker: Any) -> None:
     """A worker is gone: its live gauges (calls in flight) stop counting in /metrics (multiprocess mode)."""
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
+    from gateway.metrics import mark_dead
 
-        multiprocess.mark_process_dead(worker.pid)
+    mark_dead(worker.pid)
