@@ -99,6 +99,17 @@ def create(jobs: JobService, flow_id="f", version=None) -> str:
     return jobs.create("acme", JobRequest(flow_id=flow_id, flow_version=version))["job_id"]
 
 
+def created_in_order(jobs: JobService, *flows: tuple[str, str | None]) -> list[str]:
+    """Jobs made one after another in distinct milliseconds: newest-first listings order by creation
+    time, and two jobs of the same millisecond order by their ids' random part (a CI run made two of
+    three in one millisecond, and the expected order was a coin toss)."""
+    ids = []
+    for flow_id, version in flows:
+        ids.append(create(jobs, flow_id, version))
+        time.sleep(0.002)
+    return ids
+
+
 # -- listing ---------------------------------------------------------------------------------------
 
 def test_filters_combine_order_and_page_through_the_api(api, ledger, jobs, flows):
@@ -329,7 +340,7 @@ def test_an_index_write_that_fails_after_the_script_loses_nothing(ledger, jobs, 
 
 
 def test_rebuild_regenerates_the_index_from_the_records(ledger, jobs, flows):
-    ids = [create(jobs, fid) for fid in ("f", "g", "f")]
+    ids = created_in_order(jobs, ("f", None), ("g", None), ("f", None))
     ledger.pause(ids[1], "t")
     for key in ledger.r.scan_iter(ledger.keys.job_index_pattern("acme")):
         ledger.r.delete(key)
@@ -344,7 +355,7 @@ def test_rebuild_regenerates_the_index_from_the_records(ledger, jobs, flows):
 def test_a_starting_supervisor_indexes_jobs_made_before_the_index_existed(ledger, jobs, flows):
     """The upgrade: jobs whose records predate the index are listed once a supervisor has started,
     with no manual reindex; a second start does not rebuild again."""
-    ids = [create(jobs, fid) for fid in ("f", "g")]
+    ids = created_in_order(jobs, ("f", None), ("g", None))
     ledger.pause(ids[0], "t")
     for key in ledger.r.scan_iter(ledger.keys.job_index_pattern("acme")):
         ledger.r.delete(key)
@@ -408,7 +419,7 @@ def test_cli_lists_with_filters_and_pages_and_reindex_rebuilds(api, ledger, jobs
     from tests.conftest import TOKEN
 
     monkeypatch.setenv("BATCHGATE_TOKEN", TOKEN)
-    ids = [create(jobs, "f", "2"), create(jobs), create(jobs)]
+    ids = created_in_order(jobs, ("f", "2"), ("f", None), ("f", None))
     ledger.pause(ids[0], "t")
 
     def cli(*argv: str) -> tuple[int, str, str]:
