@@ -87,6 +87,14 @@ def wait_for(driver, predicate, what: str):
                          f"{driver.find_element('tag name', 'body').text[:2000]}")
 
 
+def session_cookie(driver) -> dict:
+    """The console's session cookie as the browser holds it. chromedriver looks cookies up for the URL of
+    the document it sees as current; asked right after the sign-in's 303 lands, it can still be looking at
+    the navigation's previous document and answers "no such cookie" (a CI run saw exactly that while the
+    server had already served /console/jobs to that cookie). So wait for it, as for anything else."""
+    return wait_for(driver, lambda: driver.get_cookie(COOKIE), "the console's session cookie")
+
+
 def text_of(driver, css: str) -> str:
     return driver.find_element("css selector", css).text
 
@@ -122,7 +130,7 @@ def scene(registry, jobs, ledger):
 def test_a_person_runs_jobs_from_the_console(console, browser, scene, ledger):
     driver, base = browser, console
     sign_in(driver, base, TOKEN)
-    cookie = driver.get_cookie(COOKIE)
+    cookie = session_cookie(driver)
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/console"
     assert TOKEN not in cookie["value"] and TOKEN not in driver.page_source
     assert text_of(driver, "#tenant") == "tenant acme"
@@ -199,7 +207,7 @@ def test_a_person_runs_jobs_from_the_console(console, browser, scene, ledger):
     assert "404" in text_of(driver, "#problem")
 
     # a form post without (or with a wrong) CSRF token is refused, and changes nothing
-    jar = {COOKIE: driver.get_cookie(COOKIE)["value"]}
+    jar = {COOKIE: session_cookie(driver)["value"]}
     pause_url = f"{base}/console/jobs/{scene['running']}/pause"
     for data in ({}, {"csrf": "x" * 43}):
         resp = requests.post(pause_url, data=data, cookies=jar, allow_redirects=False, timeout=10)

@@ -15,7 +15,17 @@ import requests
 
 from gateway.console.sessions import COOKIE
 from tests.conftest import OTHER_TOKEN, TOKEN
-from tests.test_console import browser, click, console, csrf_of, sign_in, signed_in, text_of, wait_for
+from tests.test_console import (
+    browser,
+    click,
+    console,
+    csrf_of,
+    session_cookie,
+    sign_in,
+    signed_in,
+    text_of,
+    wait_for,
+)
 
 __all__ = ["browser", "console"]  # the fixtures, shared with test_console.py
 
@@ -101,7 +111,7 @@ def test_a_person_decides_approvals_in_the_console(console, browser, waiting, le
     assert "scores look wrong" in rows[0].text and "tenant:acme (console)" in rows[0].text
 
     # a decision posted without (or with a wrong) CSRF token is refused and decides nothing
-    jar = {COOKIE: driver.get_cookie(COOKIE)["value"]}
+    jar = {COOKIE: session_cookie(driver)["value"]}
     for data in ({"output": "{}"}, {"csrf": "x" * 43, "output": "{}"}):
         resp = requests.post(f"{base}/console/approvals/{ids[2]}/approve", data=data, cookies=jar,
                              allow_redirects=False, timeout=10)
