@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Protocol
@@ -16,12 +18,112 @@ OPERATIONS = (
     "slot", "cancel", "begin", "source_fail", "breaker", "outage", "unwait", "handle", "decide",
     "open_approval",
 )
+#: Two operations run as one script, the second only when the first succeeded (pair_source): a pull
+#: step's commit and the next lease in one round trip (Ledger.complete_and_lease).
+PAIRS = {"complete_lease": ("complete", "lease")}
 
 
 def source(name: str) -> str:
-    """The full text of one script: the shared helpers, then the operation."""
-    lua = resources.files("gateway.ledger") / "lua"
-    return (lua / "lib.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+    """The full text of one script: the shared helpers it calls (lib.lua, trimmed: `helpers`), then the
+    operation."""
+    body = _read(name)
+    return helpers(body) + "\n" + body
+
+
+def observed_source(name: str) -> str:
+    """One operation's text as `Scripts` registers it: its body runs as a function and the script
+    answers ``{reply, moved}``, where ``moved`` is '1' when the script changed a job record's status
+    (lib.lua ``save`` notes it in STATUS_MOVED). The job index's observer reads ``moved`` to decide
+    whether the job must be filed again, instead of reading the job's status back after every script
+    (jobindex.JobIndex.run); every other caller gets ``reply`` alone (`Unwrapped`)."""
+    body = _read(name)
+    return (helpers(body, "STATUS_MOVED") + "\nlocal __reply = (function()\n" + body
+            + "\nend)()\nif __reply == nil then __reply = false end\nreturn {__reply, STATUS_MOVED}\n")
+
+
+def pair_source(first: str, second: str) -> str:
+    """Two operations as one script: ``first``, then ``second`` if ``first`` answered 'ok' or
+    'duplicate', each with its own KEYS and ARGV. The caller passes ``first``'s KEYS then ``second``'s,
+    and ARGV = [#first KEYS, #first ARGV, first's ARGV..., second's ARGV...]; the script answers
+    ``{{first's reply, second's reply or nil}, moved}`` (observed_source). Each body runs as a function
+    whose parameters KEYS and ARGV shadow the globals, so the operations' files are used unchanged; what
+    one body loaded and saved the other reads again (lib.lua keeps no state between them but STATUS_MOVED
+    and the outbox key)."""
+    a, b = _read(first), _read(second)
+    return helpers(a + "\n" + b, "STATUS_MOVED") + f"""
+local __nk, __na = tonumber(ARGV[1]), tonumber(ARGV[2])
+local __k1, __a1, __k2, __a2 = {{}}, {{}}, {{}}, {{}}
+for i = 1, #KEYS do
+  if i <= __nk then __k1[#__k1 + 1] = KEYS[i] else __k2[#__k2 + 1] = KEYS[i] end
+end
+for i = 3, #ARGV do
+  if i - 2 <= __na then __a1[#__a1 + 1] = ARGV[i] else __a2[#__a2 + 1] = ARGV[i] end
+end
+local __first = (function(KEYS, ARGV)
+{a}
+end)(__k1, __a1)
+if __first == nil then __first = false end
+local __second = false
+if type(__first) == 'table' and (__first[1] == 'ok' or __first[1] == 'duplicate') then
+  __second = (function(KEYS, ARGV)
+{b}
+  end)(__k2, __a2)
+  if __second == nil then __second = false end
+end
+return {{{{__first, __second}}, STATUS_MOVED}}
+"""
+
+
+@functools.cache
+def _read(name: str) -> str:
+    return (resources.files("gateway.ledger") / "lua" / f"{name}.lua").read_text()
+
+
+@functools.cache
+def _lib() -> tuple[tuple[str, frozenset[str], str], ...]:
+    """lib.lua cut into its top-level definitions: (name, names it uses, text), in file order. A
+    definition starts at a line opening with ``local`` at column 0 (the comment lines above it go with
+    it)."""
+    lines = _read("lib").splitlines(keepends=True)
+    chunks: list[list[str]] = [[]]
+    for line in lines:
+        if line.startswith("local ") and any(not c.startswith("--") and c.strip() for c in chunks[-1]):
+            chunks.append([])
+        chunks[-1].append(line)
+    out = []
+    for chunk in chunks:
+        text = "".join(chunk)
+        head = next((c for c in chunk if c.startswith("local ")), None)
+        if head is None:
+            continue  # the file's opening comment
+        m = _DEFINES.match(head)
+        if m is None:
+            raise ValueError(f"lib.lua: cannot tell what this defines: {head.strip()}")
+        out.append((m.group(1), frozenset(_WORDS.findall(text)), text))
+    return tuple(out)
+
+
+_DEFINES = re.compile(r"local (?:function )?([A-Za-z_][A-Za-z0-9_]*)")
+_WORDS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def helpers(body: str, *always: str) -> str:
+    """The lib.lua definitions ``body`` uses, directly or through other helpers, in lib.lua's order.
+
+    Redis 6.2 (the embedded server) has no shared functions: every EVALSHA runs its helpers' definitions
+    again, so a script carries only the ones it calls (about 7 us per call for the whole file,
+    docs/benchmarks.md). A name that merely looks like a helper (a field ``k.log``) pulls it in too:
+    harmless, the closure is only ever too big."""
+    lib = _lib()
+    defined = {name: uses for name, uses, _ in lib}
+    want = set(always) | (set(_WORDS.findall(body)) & defined.keys())
+    todo = list(want)
+    while todo:
+        for used in defined[todo.pop()] & defined.keys():
+            if used not in want:
+                want.add(used)
+                todo.append(used)
+    return "".join(text for name, _, text in lib if name in want)
 
 
 class Observer(Protocol):
@@ -76,12 +178,16 @@ class Scripts:
     handle: Script
     decide: Script
     open_approval: Script
+    complete_lease: Script
 
     @classmethod
     def register(cls, client: redis.Redis, observer: Observer | None = None) -> Scripts:
         """Register every operation's script with ``client`` (EVALSHA, loaded on first use); with an
         ``observer``, each run that names a job's record goes through it (Observed)."""
-        made = {name: Traced(name, client.register_script(source(name))) for name in OPERATIONS}
+        made = {name: Traced(name, Unwrapped(client.register_script(observed_source(name))))
+                for name in OPERATIONS}
+        made.update({name: Traced(name, Unwrapped(client.register_script(pair_source(*ops))))
+                     for name, ops in PAIRS.items()})
         if observer is not None:  # outermost: ``.script`` stays the bare (traced) script
             made = {name: Observed(script, observer) for name, script in made.items()}
         return cls(**made)
@@ -102,3 +208,26 @@ class Traced:
 
     def __getattr__(self, attr: str) -> Any:  # sha, script text, ... of the wrapped script
         return getattr(self.script, attr)
+
+
+class Unwrapped:
+    """A script registered from `observed_source`, called as redis-py calls it: answers its reply alone
+    (the observer, which sends it by its sha itself, reads the ``moved`` flag too)."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+
+    def __call__(self, keys: list | tuple = (), args: list | tuple = (), client: Any = None) -> Any:
+        return unwrap(self.script(keys=keys, args=args, client=client))[0]
+
+    def __getattr__(self, attr: str) -> Any:  # sha, script text, ... of the wrapped script
+        return getattr(self.script, attr)
+
+
+def unwrap(answer: Any) -> tuple[Any, bool]:
+    """An `observed_source` script's answer as (reply, moved); a reply that is an error is raised here,
+    as redis-py raises a script's top-level error."""
+    reply, moved = answer
+    if isinstance(reply, Exception):
+        raise reply
+    return reply, moved == "1"

@@ -70,6 +70,10 @@ local function job_event(map, old)
     'error', map['error'] or ''}
 end
 
+-- '1' once this script changed a job record's status (save); scripts.py's wrapper answers it beside the
+-- reply, so the job index is filed again only after a script that moved a status (jobindex.py run).
+local STATUS_MOVED = '0'
+
 -- Write changed fields and the new checksum in one HSET (and the job's event, see job_event).
 local function save(key, map, changes)
   local old = map['status']
@@ -83,6 +87,7 @@ local function save(key, map, changes)
   args[#args + 1] = 'checksum'
   args[#args + 1] = digest(map)
   local event = job_event(map, old)
+  if map['n_open'] ~= nil and map['status'] ~= old then STATUS_MOVED = '1' end
   redis.call('HSET', key, unpack(args))
   if event then redis.call('XADD', OUTBOX, '*', unpack(event)) end
 end
