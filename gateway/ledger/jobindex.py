@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +47,11 @@ COMMITS = frozenset({"plan", "complete", "complete_lease", "fail", "expire", "re
 #: The scripts of every step (a lease and its commit or failure): their runs skip the read-back of the
 #: job's status unless they moved it (JobIndex.run). None of them can bring a job's due time earlier
 #: without a status change except by leasing, and a lease's due time is sent with it (due.hinted).
+#: A script call whose connection times out or drops is sent again (same journal key) this many times,
+#: RETRY_PAUSE_S more apart each time, before the error reaches the caller.
+RETRIES = 3
+RETRY_PAUSE_S = 0.2
+
 FAST = frozenset({"lease", "plan", "complete", "complete_lease", "fail", "heartbeat"})
 
 STATUSES = ("running", "paused", "held", "waiting_human", "succeeded", "failed", "cancelled")
@@ -151,7 +158,7 @@ class JobIndex:
                 return key[len(head):-len(tail)]
         return None
 
-    def run(self, script: Any, job_id: str, keys: list, args: list) -> Any:
+    def run(self, script: Any, job_id: str, keys: list, args: list, call_id: str | None = None) -> Any:
         """Run a job's script and keep the job index and the due index following it.
 
         A script answers whether it moved the job's status (scripts.observed_source). The per-step
@@ -161,7 +168,11 @@ class JobIndex:
         index filed it and files it again (one per status change, a few per job). Every other script
         (control actions, push-mode and approval scripts: rarer, and some move what the indexes read
         without a status change) sends those reads in its own round trip, as before. The script's answer
-        is returned (or raised) as is."""
+        is returned (or raised) as is.
+
+        Each call has a journal key (``call_id``, random unless given; scripts.observed_source): a call
+        whose connection times out or drops is sent again with the same key, up to RETRIES times, and a
+        script that had taken effect answers with its first answer instead of running twice."""
         try:
             spec = self.spec_of(job_id)
             tenant, gated = spec.tenant, bool(spec.flow.gates())
@@ -174,18 +185,31 @@ class JobIndex:
         # lease's deadline; a job with approval stages is due now after any script
         hint = due_index.now_ms() if gated else due_index.hint_for(job_id)
         fast = operation in FAST and not gated
-        for loaded in (False, True):
+        argv = [k.call(call_id or secrets.token_urlsafe(12)), *args]
+        loaded, tries = False, 0
+        while True:
             pipe = self.r.pipeline(transaction=False)
-            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # a cluster pipeline
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *argv)  # a cluster pipeline
             if wait is not None:  # blocks .evalsha; WAIT follows the script on its connection
                 pipe.execute_command("WAIT", *wait, **self._node_of(k.job))
             if hint is not None:
                 pipe.zadd(self.keys.due, {job_id: hint}, lt=True)
             if not fast:
                 self._probe(pipe, tenant, job_id, gated)
-            answer, *replies = pipe.execute(raise_on_error=False)
+            try:
+                answer, *replies = pipe.execute(raise_on_error=False)
+            except (redis.exceptions.TimeoutError, redis.exceptions.ConnectionError) as exc:
+                tries += 1
+                if tries > RETRIES:
+                    raise
+                # the script may have run: the same journal key makes the repeat answer its first answer
+                log.warning("ledger script %s: %s; sending it again (%s of %s) job_id=%s", operation,
+                            type(exc).__name__, tries, RETRIES, job_id)
+                time.sleep(RETRY_PAUSE_S * tries)
+                continue
             if isinstance(answer, NoScriptError) and not loaded:  # a restarted Redis: nothing ran
                 self.r.script_load(_text(script))
+                loaded = True
                 continue
             break
         acked = replies.pop(0) if wait is not None else None
