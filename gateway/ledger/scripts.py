@@ -41,16 +41,70 @@ JOURNAL_MS = 120_000
 _JOURNALED = """
 local __journal = ARGV[1]
 if __journal ~= '' then
-  local __seen = redis.call('GET', __journal)
-  if __seen then return cjson.decode(__seen) end
+  local __raw = redis.call('GET', __journal)
+  if __raw then
+    local __seen = cjson.decode(__raw)
+    return {{{fat}, __seen[2]}}
+  end
 end
 local __argv = {{}}
 for i = 2, #ARGV do __argv[i - 1] = ARGV[i] end
 {run}
 local __answer = {{__reply, STATUS_MOVED}}
-if __journal ~= '' then redis.call('SET', __journal, cjson.encode(__answer), 'PX', {journal_ms}) end
+if __journal ~= '' then
+  redis.call('SET', __journal, cjson.encode({{{slim}, STATUS_MOVED}}), 'PX', {journal_ms})
+end
 return __answer
 """
+
+#: A lease's answer carries its batch's items and the previous stage's output, and a 'plan' answer the
+#: inline source's next items, which can be large: the journal keeps them by reference (blank, marked
+#: 'ref') and a repeat reads them again from where the first call did (the batch's items key and
+#: record, the job's src list), where they are as that call found them: no commit can come between a
+#: lease and the repeat of that lease (only its holder commits), and src never changes. lease.lua answers
+#: {'ok', seq, stage, attempt, deadline, start, end, items, input, gen} or {'plan', next_seq, frontier,
+#: src length, src items...}; plan.lua leasing {'ok', seq, K, attempt, deadline, start, end, items, gen}
+#: (stage 0, no input).
+_LEASE_REFS = """
+local function __slim(reply, n)
+  if type(reply) ~= 'table' then return reply end
+  if reply[1] == 'plan' and #reply > 3 then return {reply[1], reply[2], reply[3], 'ref'} end
+  if reply[1] ~= 'ok' or #reply ~= n then return reply end
+  local copy = {unpack(reply)}
+  copy[8] = ''
+  if n == 10 then copy[9] = '' end
+  copy[n + 1] = 'ref'
+  return copy
+end
+local function __fat(reply, n, job_key, ahead)
+  if type(reply) ~= 'table' then return reply end
+  local base = string.sub(job_key, 1, -5)
+  if reply[1] == 'plan' and reply[4] == 'ref' then
+    local cursor = cjson.decode(reply[3])
+    reply[4] = redis.call('LLEN', base .. ':src')
+    local window = redis.call('LRANGE', base .. ':src', cursor['offset'], cursor['offset'] + ahead - 1)
+    for i = 1, #window do reply[4 + i] = window[i] end
+    return reply
+  end
+  if reply[n + 1] ~= 'ref' then return reply end
+  reply[n + 1] = nil
+  reply[8] = redis.call('GET', base .. ':items:' .. reply[2]) or ''
+  if n == 10 and tonumber(reply[3]) > 0 then
+    reply[9] = redis.call('HGET', base .. ':batch:' .. reply[2], 'out:' .. (tonumber(reply[3]) - 1)) or ''
+  end
+  return reply
+end
+"""
+#: per operation: (lib text the hooks need, how the journal keeps a reply, how a repeat restores it;
+#: lease.lua's read-ahead is its ARGV[8], after the journal key ARGV[9]; complete_lease's is its ARGV
+#: past the journal key, the two counts and complete's own)
+_HOOKS = {
+    "lease": (_LEASE_REFS, "__slim(__reply, 10)", "__fat(__seen[1], 10, KEYS[1], tonumber(ARGV[9]))"),
+    "plan": (_LEASE_REFS, "__slim(__reply, 9)", "__fat(__seen[1], 9, KEYS[1], 0)"),
+    "complete_lease": (_LEASE_REFS, "{__reply[1], __slim(__reply[2], 10)}",
+                       "{__seen[1][1], __fat(__seen[1][2], 10, KEYS[1], "
+                       "tonumber(ARGV[3 + tonumber(ARGV[3]) + 8]))}"),
+}
 
 
 def observed_source(name: str) -> str:
@@ -68,7 +122,12 @@ def observed_source(name: str) -> str:
     body = _read(name)
     run = ("local __reply = (function(KEYS, ARGV)\n" + body + "\nend)(KEYS, __argv)\n"
            "if __reply == nil then __reply = false end")
-    return helpers(body, "STATUS_MOVED") + _JOURNALED.format(run=run, journal_ms=JOURNAL_MS)
+    return helpers(body, "STATUS_MOVED") + _journaled(name, run)
+
+
+def _journaled(name: str, run: str) -> str:
+    hooks, slim, fat = _HOOKS.get(name, ("", "__reply", "__seen[1]"))
+    return hooks + _JOURNALED.format(run=run, journal_ms=JOURNAL_MS, slim=slim, fat=fat)
 
 
 def pair_source(first: str, second: str) -> str:
@@ -99,7 +158,7 @@ if type(__first) == 'table' and (__first[1] == 'ok' or __first[1] == 'duplicate'
   if __second == nil then __second = false end
 end
 local __reply = {{__first, __second}}"""
-    return helpers(a + "\n" + b, "STATUS_MOVED") + _JOURNALED.format(run=run, journal_ms=JOURNAL_MS)
+    return helpers(a + "\n" + b, "STATUS_MOVED") + _journaled(f"{first}_{second}", run)
 
 
 @functools.cache
