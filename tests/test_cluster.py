@@ -8,32 +8,9 @@ import pytest
 from gateway.ledger.embedded import client_for
 from gateway.settings import Settings
 from tests.cluster import LocalCluster
-from tests.conftest import TOKEN, OTHER_TOKEN
+from tests.conftest import TOKEN
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A local Redis Cluster of 3 masters and 3 replicas, started once for the module."""
-    found = LocalCluster(tmp_path_factory.mktemp("cluster")).start()
-    yield found
-    found.stop()
-
-
-@pytest.fixture
-def cluster_settings(cluster, redis_server, tmp_path):
-    # RQ cannot run on a cluster: the push queue lives on the plain test Redis
-    return Settings(redis_url=cluster.url, queue_redis_url=redis_server.url, data_dir=tmp_path / "data",
-                    tokens={TOKEN: "acme", OTHER_TOKEN: "globex"}, source_roots={"*": [str(tmp_path)]})
-
-
-@pytest.fixture
-def cluster_client(cluster, cluster_settings):
-    cluster.flushall()
-    client = client_for(cluster.url, cluster_settings)
-    yield client
-    client.close()
 
 
 @pytest.fixture
