@@ -88,3 +88,12 @@ def test_a_creation_killed_between_its_slot_groups_is_filed_by_the_next_supervis
         assert not cluster_client.sismember(ledger.keys.active, job_id)
     finally:
         fresh.close()
+
+
+# -- the gateway SIGKILLed during completions (tests/test_crash.py) ----------------------------------
+
+def test_gateway_sigkill_during_completions_on_two_gateways_and_supervisors(cluster, cluster_settings,
+                                                                             cluster_client):
+    from tests.test_crash import gateway_kills
+
+    gateway_kills(cluster.url, cluster_client, cluster_settings, gateways=2, supervisors=2)
