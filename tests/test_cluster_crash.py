@@ -21,6 +21,7 @@ import redis
 from gateway.ledger.embedded import client_for
 from gateway.ledger.ledger import Ledger
 from tests.conftest import TOKEN
+from tests.http import ApiClient
 
 pytestmark = pytest.mark.slow
 
@@ -97,3 +98,183 @@ def test_gateway_sigkill_during_completions_on_two_gateways_and_supervisors(clus
     from tests.test_crash import gateway_kills
 
     gateway_kills(cluster.url, cluster_client, cluster_settings, gateways=2, supervisors=2)
+
+
+# -- push mode: SIGKILLed workers, gateways, supervisors, and a master --------------------------------
+
+class PushStack:
+    """Two gunicorn gateways, two `batchgate supervisor` and two `batchgate worker` processes on the
+    cluster (RQ's queue on the plain test Redis); worker i's callbacks go to gateway i + 1."""
+
+    def __init__(self, tmp_path, url: str, settings, **env: str) -> None:
+        from tests.test_crash import GatewayProcess
+
+        self.tmp_path, self.starts = tmp_path, 0
+        self.gateways = [GatewayProcess(url, settings) for _ in range(2)]
+        self.envs = []
+        for i in range(2):
+            public = self.gateways[(i + 1) % 2].base
+            self.envs.append({**self.gateways[i].env, "BATCHGATE_PUBLIC_URL": public,
+                              "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]', "BATCHGATE_LOG_LEVEL": "WARNING",
+                              "BATCHGATE_SUPERVISOR_INTERVAL": "0.1", **env})
+        for gw, own in zip(self.gateways, self.envs, strict=True):
+            gw.env = {**own, "BATCHGATE_PUBLIC_URL": gw.base}
+        self.supervisors: list = [None, None]
+        self.workers: list = [None, None]
+
+    def start(self) -> PushStack:
+        from tests.test_push_e2e import Workers
+
+        for i in range(2):
+            self.gateways[i].start()
+            self.workers[i] = Workers(self.envs[i], count=1)
+            self.workers[i].start()
+            self.start_supervisor(i)
+        return self
+
+    def start_supervisor(self, i: int) -> None:
+        from tests.test_restart import Proc
+
+        self.starts += 1
+        self.supervisors[i] = Proc(self.tmp_path, f"supervisor-{i}-{self.starts}", ["supervisor"], self.envs[i])
+
+    def crash(self, role: str) -> None:
+        """SIGKILL the first process of ``role`` (its whole process group) and start it again."""
+        if role == "worker":
+            self.workers[0].kill()
+            time.sleep(0.5)
+            self.workers[0].start()
+        elif role == "gateway":
+            self.gateways[0].kill()
+            time.sleep(0.5)
+            self.gateways[0].start()
+        else:
+            self.supervisors[0].kill_group()
+            time.sleep(0.5)
+            self.start_supervisor(0)
+
+    def stop(self) -> None:
+        for pool in self.workers:
+            if pool is not None:
+                pool.kill()
+        for sup in self.supervisors:
+            if sup is not None:
+                sup.kill_group()
+        for gw in self.gateways:
+            if gw.proc is not None:
+                gw.stop()
+
+
+def _recording_platform(**knobs):
+    """The stand-in platform, also noting when each scoring run began and when a callback of each
+    batch stage (by idempotency key) was first answered 200 (committed; a spooled one answers 202)."""
+    import threading
+
+    from tests.test_push_e2e import StandInPlatform
+
+    class Recording(StandInPlatform):
+        def __init__(self) -> None:
+            super().__init__(**knobs)
+            self.began: dict[str, list[float]] = {}
+            self.acked: dict[str, float] = {}
+            self.current = threading.local()
+            post = self.http.post
+
+            def recorded(url, **kwargs):
+                resp = post(url, **kwargs)
+                if resp.status_code == 200:
+                    with self.lock:
+                        self.acked.setdefault(self.current.key, time.monotonic())
+                return resp
+
+            self.http.post = recorded
+
+        def begin_run(self, env: dict) -> int:
+            with self.lock:
+                self.began.setdefault(str(env.get("idempotency_key", "")), []).append(time.monotonic())
+            return super().begin_run(env)
+
+        def _score_and_call_back(self, env: dict, drop: bool, duplicate: bool) -> None:
+            self.current.key = str(env.get("idempotency_key", ""))
+            super()._score_and_call_back(env, drop, duplicate)
+
+        def redone_after_ack(self) -> list[str]:
+            """Batch stages run again after a commit of theirs was acknowledged."""
+            with self.lock:
+                return sorted(k for k, at in self.acked.items() if any(t > at for t in self.began.get(k, ())))
+
+    return Recording()
+
+
+@pytest.mark.parametrize("crashes", [("worker", "gateway", "supervisor"), ("master",)],
+                         ids=["worker-gateway-supervisor", "master-failover-wait-1"])
+def test_a_push_job_survives_sigkills_on_two_gateways_supervisors_and_workers(
+        cluster, cluster_settings, cluster_client, tmp_path, crashes, capsys):
+    """A push job through a platform on two gateways, two supervisors and two workers (processes):
+    a worker, then a gateway, then a supervisor SIGKILLed and started again as the job runs (a flaky
+    platform); or the master of the job's slot SIGKILLed with BATCHGATE_REDIS_WAIT_REPLICAS=1 (a
+    reliable platform: every run again is a crash's doing). Every batch stored exactly once, no stage
+    committed twice, the job finishes; after the failover no batch stage whose commit was acknowledged
+    (its callback answered 200, after a replica had it) runs again."""
+    from tests.test_cluster import _retrying
+    from tests.test_push_e2e import push_flow
+
+    batches = 60
+    failover = crashes == ("master",)
+    knobs = {} if failover else {"fail_rate": 0.1, "drop_rate": 0.05, "duplicate_rate": 0.05, "seed": 5}
+    env = {"BATCHGATE_REDIS_WAIT_REPLICAS": "1", "BATCHGATE_REDIS_WAIT_TIMEOUT": "1",
+           "BATCHGATE_REDIS_READ_TIMEOUT": "2", "BATCHGATE_REDIS_CONNECT_TIMEOUT": "1"} if failover else {}
+    ledger = Ledger(cluster_client, cluster_settings)
+    stack = PushStack(tmp_path, cluster.url, cluster_settings, **env)
+    platform = _recording_platform(**knobs)
+    killed = None
+    try:
+        with platform:
+            stack.start()
+            first, second = (ApiClient(gw.base, TOKEN) for gw in stack.gateways)
+            assert first.post("/v1/flows", json=push_flow(platform.url, batches)).status_code == 201
+            job_id = second.post("/v1/jobs", json={"flow_id": "push-e2e"}).json()["job_id"]
+            for n, role in enumerate(crashes, start=1):
+                _wait_completed(ledger, job_id, n * batches // (len(crashes) + 1))
+                if role == "master":
+                    killed = cluster_client.get_node_from_key(ledger.keys.job(job_id).job).port
+                    cluster.kill(killed)
+                    killed_at = time.monotonic()
+                    _retrying(lambda: ledger.job_fields(job_id))  # the replica took over
+                    took_over = time.monotonic() - killed_at
+                    cluster.restart(killed)  # and the old master comes back as its replica
+                else:
+                    stack.crash(role)
+            deadline = time.monotonic() + 120
+            while (job := _retrying(lambda: ledger.job_fields(job_id)))["status"] == "running":
+                assert time.monotonic() < deadline, f"push job did not finish: {job}"
+                time.sleep(0.1)
+            stats = platform.stats()
+    finally:
+        stack.stop()
+        if killed is not None:
+            cluster.wait_replicated()
+    assert job["status"] == "succeeded", job
+    assert int(job["items_done"]) == batches * 2
+    assert stats["stored_keys"] == batches  # one stored result per batch
+    log = cluster_client.xrange(ledger.keys.job(job_id).log)
+    commits = [(f["seq"], f["stage"]) for _, f in log if f["event"] == "stage_completed"]
+    assert len(commits) == len(set(commits)) == batches * 2  # no stage committed twice
+    if failover:
+        promoted = cluster_client.get_node_from_key(ledger.keys.job(job_id).job).port
+        acked_before = sum(at < killed_at for at in platform.acked.values())
+        runs = sum(len(v) for v in platform.began.values())
+        with capsys.disabled():
+            print(f"\npush failover (WAIT 1): replica answering {took_over:.1f} s after the kill; "
+                  f"{acked_before} scoring commits acknowledged before it; {runs - batches} scoring runs "
+                  f"repeated (calls cut by the failover); {len(platform.redone_after_ack())} after an "
+                  "acknowledged commit")
+        assert promoted != killed and 0 < acked_before < len(platform.acked)
+        assert platform.redone_after_ack() == []
+
+
+def _wait_completed(ledger: Ledger, job_id: str, count: int, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while int(ledger.job_fields(job_id)["n_done"]) < count:
+        assert time.monotonic() < deadline, f"push job stalled below {count} batches"
+        time.sleep(0.05)
