@@ -5,7 +5,7 @@ Starts a local cluster of 1 master (tests/cluster.py: the tests' redis-server, A
 masters, each with ``--replicas`` replicas per master. On each, ``--clients`` processes (each its own
 RedisCluster client and its own job of one-stage, one-item batches, the jobs spread evenly over the
 masters) lease and complete batches through the Python ledger for ``--seconds``. Prints commits/s per
-cluster, their ratio, and Redis CPU (user + sys, from INFO of every node) per commit.
+cluster, their ratio, and CPU per commit: Redis (user + sys, from INFO of every node) and the clients'.
 
 On a machine with fewer cores than masters plus clients the ratio says how much the client side and the
 masters' shared cores cap the scaling, not what 3 masters on 3 machines give (docs/benchmarks.md).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import resource
 import tempfile
 import time
 
@@ -69,6 +70,12 @@ def spread_jobs(service: JobService, client, masters: int, count: int, items: in
     return jobs
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's ended and waited-for children (the clients, not the servers)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def redis_cpu_s(cluster: LocalCluster) -> float:
     total = 0.0
     for port in cluster.ports:
@@ -78,8 +85,9 @@ def redis_cpu_s(cluster: LocalCluster) -> float:
     return total
 
 
-def measure(masters: int, replicas: int, clients: int, seconds: float) -> tuple[float, float]:
-    """(commits/s, Redis CPU us per commit) on a fresh cluster of ``masters`` masters."""
+def measure(masters: int, replicas: int, clients: int, seconds: float) -> tuple[float, float, float]:
+    """(commits/s, Redis CPU us per commit, client CPU us per commit) on a fresh cluster of ``masters``
+    masters; client CPU counts the clients' warm-up too (20 steps each)."""
     cluster = LocalCluster(tempfile.mkdtemp(prefix="bg-bench-cluster-"), masters=masters,
                            replicas=replicas).start()
     try:
@@ -90,6 +98,7 @@ def measure(masters: int, replicas: int, clients: int, seconds: float) -> tuple[
         items = 200_000  # more than any client completes
         jobs = spread_jobs(service, client, masters, clients, items)
         out = multiprocessing.Queue()
+        clients_before = _children_cpu_s()
         start_at = time.time() + 3.0  # every client warmed up and waiting
         procs = [multiprocessing.Process(target=client_loop, args=(cluster.url, job_id, seconds, start_at, out))
                  for job_id in jobs]
@@ -103,7 +112,7 @@ def measure(masters: int, replicas: int, clients: int, seconds: float) -> tuple[
         for proc in procs:
             proc.join()
         total = sum(counts)
-        return total / seconds, cpu / total * 1e6
+        return total / seconds, cpu / total * 1e6, (_children_cpu_s() - clients_before) / total * 1e6
     finally:
         cluster.stop()
 
@@ -114,12 +123,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--replicas", type=int, default=0)
     args = parser.parse_args()
-    one, one_cpu = measure(1, args.replicas, args.clients, args.seconds)
-    three, three_cpu = measure(3, args.replicas, args.clients, args.seconds)
+    one, one_cpu, one_client = measure(1, args.replicas, args.clients, args.seconds)
+    three, three_cpu, three_client = measure(3, args.replicas, args.clients, args.seconds)
     print(f"{args.clients} client processes, {args.seconds:.0f} s each, {args.replicas} replica(s) per master, "
           f"{multiprocessing.cpu_count()} cores")
-    print(f"1 master:  {one:,.0f} commits/s   Redis CPU {one_cpu:,.0f} us per commit")
-    print(f"3 masters: {three:,.0f} commits/s   Redis CPU {three_cpu:,.0f} us per commit")
+    print(f"1 master:  {one:,.0f} commits/s   CPU per commit: Redis {one_cpu:,.0f} us, "
+          f"clients {one_client:,.0f} us")
+    print(f"3 masters: {three:,.0f} commits/s   CPU per commit: Redis {three_cpu:,.0f} us, "
+          f"clients {three_client:,.0f} us")
     print(f"ratio 3/1: {three / one:.2f}x")
 
 
