@@ -153,6 +153,14 @@ class PushStack:
             time.sleep(0.5)
             self.start_supervisor(0)
 
+    def check_alive(self) -> None:
+        """Every supervisor and gateway still running, no supervisor with a traceback in its output."""
+        for sup in self.supervisors:
+            assert sup.proc.poll() is None, f"a supervisor exited:\n{sup.output()}"
+            assert "Traceback" not in sup.output(), sup.output()
+        for gw in self.gateways:
+            assert gw.proc.poll() is None, "a gateway exited"
+
     def stop(self) -> None:
         for pool in self.workers:
             if pool is not None:
@@ -250,6 +258,7 @@ def test_a_push_job_survives_sigkills_on_two_gateways_supervisors_and_workers(
                 assert time.monotonic() < deadline, f"push job did not finish: {job}"
                 time.sleep(0.1)
             stats = platform.stats()
+            stack.check_alive()
     finally:
         stack.stop()
         if killed is not None:
