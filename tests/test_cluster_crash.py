@@ -8,7 +8,7 @@ supervisors and two workers as real processes.
   batch is stored once, no stage committed twice, the job finishes; after the failover no commit that
   a replica had acknowledged is redone.
 - A creation cut between its slot groups (the job's keys written, the roster, index, active set and
-  due index not): the next supervisor pass files it, and it runs.
+  due index not): the next supervisor pass cancels it (its creator was told it failed) and lists it.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ pytestmark = pytest.mark.slow
 
 # -- a creation cut between its slot groups ---------------------------------------------------------
 
-def test_a_creation_killed_between_its_slot_groups_is_filed_by_the_next_supervisor_pass(
+def test_a_creation_cut_between_its_slot_groups_is_cancelled_and_listed_by_the_next_supervisor_pass(
         cluster, cluster_settings, cluster_client, monkeypatch):
     """The process creating a job dies after the MULTI of the job's own slot (spec, state, log) and
-    before the roster, index, active set and due index: the job answers but is not listed. A
-    supervisor started afterwards (its own client) files it from the creation journal: it is listed,
-    supervised (a lease left to run out is expired) and runs to the end."""
+    before the roster, index, active set and due index: the job answers by id but is not listed, and its
+    creator got an error, so it creates the job again. A supervisor started afterwards (its own client)
+    settles the creation journal: the cut job is cancelled (never run: that would do the work twice)
+    and listed as such, then retired; the job created again runs to the end."""
     from gateway.ledger import creations
     from gateway.ledger.flows import FlowRegistry, parse_flow
     from gateway.ledger.joblist import ListQuery
@@ -45,8 +46,7 @@ def test_a_creation_killed_between_its_slot_groups_is_filed_by_the_next_supervis
     ledger = Ledger(cluster_client, cluster_settings)
     registry = FlowRegistry(cluster_client, ledger.keys)
     jobs = JobService(ledger, registry)
-    registry.register("acme", parse_flow({"id": "f", "version": "1", "stages": [{"name": "s", "lease": 0.3,
-                                                                  "retry": {"initial_interval": 0.05}}],
+    registry.register("acme", parse_flow({"id": "f", "version": "1", "stages": [{"name": "s"}],
                                           "batching": {"max_items": 2},
                                           "source": {"type": "sequence", "count": 6}}))
     executed = SlotMulti.execute
@@ -61,32 +61,31 @@ def test_a_creation_killed_between_its_slot_groups_is_filed_by_the_next_supervis
     with pytest.raises(redis.ConnectionError):
         jobs.create("acme", JobRequest(flow_id="f"))
     monkeypatch.undo()
-    (job_id,) = cluster_client.zrange(ledger.keys.creating, 0, -1)
-    assert ledger.job_fields(job_id)["status"] == "running"  # the job's own keys are there
+    (cut,) = cluster_client.zrange(ledger.keys.creating, 0, -1)
+    assert ledger.job_fields(cut)["status"] == "running"  # the job's own keys are there
     assert jobs.list("acme", ListQuery()).jobs == []
-    assert not cluster_client.sismember(ledger.keys.active, job_id)
+    assert not cluster_client.sismember(ledger.keys.active, cut)
+    again = jobs.create("acme", JobRequest(flow_id="f"))["job_id"]  # the client, told it failed
 
     fresh = client_for(cluster.url, cluster_settings)  # another process, in effect
     try:
         sup = Supervisor(Ledger(fresh, cluster_settings), name="after-the-crash")
         sup.tick()  # within the grace: a creation may still be going on
-        assert not cluster_client.sismember(ledger.keys.active, job_id)
+        assert ledger.job_fields(cut)["status"] == "running"
         monkeypatch.setattr(creations, "GRACE_MS", 0)
         sup.tick()
-        assert [j["job_id"] for j in jobs.list("acme", ListQuery()).jobs] == [job_id]
-        assert cluster_client.sismember(ledger.keys.active, job_id)
+        listed = {j["job_id"]: j for j in jobs.list("acme", ListQuery()).jobs}
+        assert {k: v["status"] for k, v in listed.items()} == {cut: "cancelled", again: "running"}
+        assert ledger.lease(cut) is None  # never runs
+        audit = [f for _, f in cluster_client.xrange(ledger.keys.job(cut).audit)]
+        assert audit[-1]["actor"] == creations.ACTOR and "cut off" in audit[-1]["reason"], audit
         assert cluster_client.zrange(ledger.keys.creating, 0, -1) == []
-        lost = ledger.lease(job_id)  # its holder dies: the supervisor must find the lease
-        time.sleep(0.4)
-        sup.tick()
-        expired = [f for _, f in cluster_client.xrange(ledger.keys.job(job_id).log)
-                   if f["event"] == "retry_scheduled"]
-        assert [f["seq"] for f in expired] == [str(lost.seq)]
-        time.sleep(0.2)  # the retry's backoff
-        drain(ledger, job_id)
-        assert ledger.job_fields(job_id)["status"] == "succeeded"
-        sup.tick()  # retired
-        assert not cluster_client.sismember(ledger.keys.active, job_id)
+        cluster_client.zadd(ledger.keys.creating, {again: 1})  # a whole creation whose entry stayed
+        sup.tick()  # the cancelled job retired like any other; the whole creation's entry dropped
+        assert not cluster_client.sismember(ledger.keys.active, cut)
+        assert cluster_client.zrange(ledger.keys.creating, 0, -1) == []
+        assert len(drain(ledger, again)) == 3
+        assert ledger.job_fields(again)["status"] == "succeeded"
     finally:
         fresh.close()
 

@@ -3,21 +3,34 @@ Redis Cluster (docs/design.md, "Cluster").
 
 On a plain Redis a job is created in one MULTI. On a cluster that MULTI runs one per slot (multi.py):
 the job's own keys first (spec, state, log, audit), then the tenant roster ``jobs:<tenant>``, the
-tenant's job index, ``active`` and ``due``. A process killed between the groups leaves a job that
-answers ``GET /v1/jobs/{id}`` but is neither listed nor supervised (a push job never runs; a pull job's
-expired leases never come back). So in cluster mode a creation first writes ``creating`` (one key,
-job id -> ms the creation began), then its MULTI, then removes its entry. The supervisor reads the
-entries older than ``GRACE_MS`` each pass (one ZRANGEBYSCORE: a pass costs what is stale, nothing
-when there is none) and repairs each: a job whose record exists is filed where its creation would have
-filed it (roster ZADD NX at its ``created_ms``, the index from its record, SADD ``active``, its due
-entry from its keys), all idempotent, so a repair racing a slow creation writes what it would; an entry
-whose record does not exist (the creation died before its keys) is dropped after ``ABANDON_MS``.
+tenant's job index, ``active`` and, last, ``due``. A creation cut between the groups (its process
+killed, or Redis failing under it) leaves a job that answers ``GET /v1/jobs/{id}`` but is neither listed
+nor supervised, and whose creator was never told it exists: the API answered an error or nothing, so
+the client creates the job again (an Idempotency-Key claim is abandoned on the error, or runs out).
+
+So in cluster mode a creation first writes ``creating`` (one key, job id -> ms the creation began),
+then its MULTI, then removes its entry. The supervisor reads the entries older than ``GRACE_MS`` each
+pass (one ZRANGEBYSCORE: a pass costs what is stale, nothing when there is none) and settles each:
+
+- the job's record is missing: the creation died before its keys; the entry is dropped after
+  ``ABANDON_MS`` (a creation stalled that long before its MULTI is not waited for).
+- the job has its due entry (the last group ran), or its status is no longer ``running`` (someone acted
+  on it): the creation finished and only the journal's removal was lost; the entry is dropped.
+- otherwise the creation was cut: the job is cancelled (its reason says so: it never runs, since its
+  creator was told it failed and creates it again, and running both would do the work twice), then
+  filed where its creation would have filed it (roster at its ``created_ms``, the index from its
+  record, ``active``, its due entry), so the tenant sees it listed as cancelled and the supervisor
+  retires it like any cancelled job. Each step is idempotent: a repair racing a slow creation, or two
+  supervisors repairing one job, write the same thing.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
+
+import redis
 
 from gateway.ledger.multi import is_cluster_client
 
@@ -25,14 +38,17 @@ log = logging.getLogger(__name__)
 
 GRACE_MS = 10_000  # a creation older than this is taken as dead (one takes milliseconds)
 ABANDON_MS = 600_000  # an entry whose job never got its keys is dropped after this
-REPAIR_BATCH = 100  # stale entries repaired per pass
+REPAIR_BATCH = 100  # stale entries settled per pass
+ACTOR = "batchgate:creation-journal"
+REASON = "its creation was cut off before the job was listed; the API answered an error, so it never ran"
 
 
 class CreationJournal:
     """``begin``/``end`` around a creation's MULTI (cluster only); ``repair`` for the supervisor."""
 
-    def __init__(self, index: Any) -> None:
+    def __init__(self, index: Any, cancel: Callable[[str, str, str], Any]) -> None:
         self.index = index  # jobindex.JobIndex: the client, the keys, specs and the due index
+        self.cancel = cancel  # Ledger.cancel
         self.r, self.keys = index.r, index.keys
         self.enabled = is_cluster_client(self.r)
 
@@ -41,33 +57,37 @@ class CreationJournal:
             self.r.zadd(self.keys.creating, {job_id: now_ms})
 
     def end(self, job_id: str) -> None:
+        """The creation's MULTI ran whole: drop its entry (if this fails, ``repair`` drops it)."""
         if self.enabled:
-            self.r.zrem(self.keys.creating, job_id)
+            try:
+                self.r.zrem(self.keys.creating, job_id)
+            except redis.RedisError as exc:
+                log.warning("creation journal: job_id=%s created, its entry left (%s)", job_id, exc)
 
     def repair(self, now_ms: int, grace_ms: int | None = None) -> list[str]:
-        """File the jobs whose creation began more than ``grace_ms`` (``GRACE_MS``) ago and never
-        ended; returns the ids repaired (those whose record exists)."""
+        """Settle the creations that began more than ``grace_ms`` (``GRACE_MS``) ago and never ended;
+        returns the ids of the jobs cancelled as cut."""
         if not self.enabled:
             return []
         grace_ms = GRACE_MS if grace_ms is None else grace_ms
         stale = self.r.zrangebyscore(self.keys.creating, "-inf", now_ms - grace_ms, start=0,
                                      num=REPAIR_BATCH, withscores=True)
-        repaired = []
+        cut = []
         for job_id, began in stale:
-            created = self.r.hget(self.keys.job(job_id).job, "created_ms")
-            if created is None:
-                if now_ms - began > ABANDON_MS:
-                    self.r.zrem(self.keys.creating, job_id)
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hmget(self.keys.job(job_id).job, "status", "created_ms")
+            pipe.zscore(self.keys.due, job_id)
+            (status, created), due = pipe.execute()
+            if status is None and now_ms - began <= ABANDON_MS:
                 continue
-            self._file(job_id, int(created))
+            if status == "running" and due is None:
+                self._cancel_and_file(job_id, int(created or began))
+                cut.append(job_id)
             self.r.zrem(self.keys.creating, job_id)
-            repaired.append(job_id)
-        if repaired:
-            log.warning("creation journal: filed %d job(s) whose creation stopped half-way: %s",
-                        len(repaired), ", ".join(repaired))
-        return repaired
+        return cut
 
-    def _file(self, job_id: str, created_ms: int) -> None:
+    def _cancel_and_file(self, job_id: str, created_ms: int) -> None:
+        self.cancel(job_id, ACTOR, REASON)  # first: it is never listed or supervised as running
         spec = self.index.spec_of(job_id)
         pipe = self.r.pipeline(transaction=False)
         pipe.zadd(self.keys.jobs(spec.tenant), {job_id: created_ms}, nx=True)
@@ -75,3 +95,4 @@ class CreationJournal:
         pipe.execute()
         self.index.check(job_id)
         self.index.due.settle([job_id])
+        log.warning("creation journal: job_id=%s was cut off in its creation; cancelled and listed", job_id)

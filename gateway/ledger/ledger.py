@@ -100,7 +100,7 @@ class Ledger(ControlOps, ApprovalOps):
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.index = JobIndex(client, self.keys, self.spec)  # follows every job script's status change
-        self.creations = CreationJournal(self.index)  # cluster: a creation cut between its slots
+        self.creations = CreationJournal(self.index, self.cancel)  # cluster: creations cut between slots
         if settings.redis_wait_replicas:  # durable commits: WAIT after each (JobIndex.run)
             self.index.wait = (settings.redis_wait_replicas,
                                int(settings.redis_wait_timeout.total_seconds() * 1000))
