@@ -9,19 +9,22 @@ nor supervised, and whose creator was never told it exists: the API answered an 
 the client creates the job again (an Idempotency-Key claim is abandoned on the error, or runs out).
 
 So in cluster mode a creation first writes ``creating`` (one key, job id -> ms the creation began),
-then its MULTI, then removes its entry. The supervisor reads the entries older than ``GRACE_MS`` each
-pass (one ZRANGEBYSCORE: a pass costs what is stale, nothing when there is none) and settles each:
+then its MULTI, then removes its entry; the creation answers success only once the entry is removed, so
+an entry that stays always belongs to a creation whose caller got an error or no answer. The supervisor
+reads the entries older than ``GRACE_MS`` each pass (one ZRANGEBYSCORE: a pass costs what is stale,
+nothing when there is none) and settles each:
 
 - the job's record is missing: the creation died before its keys; the entry is dropped after
   ``ABANDON_MS`` (a creation stalled that long before its MULTI is not waited for).
-- the job has its due entry (the last group ran), or its status is no longer ``running`` (someone acted
-  on it): the creation finished and only the journal's removal was lost; the entry is dropped.
-- otherwise the creation was cut: the job is cancelled (its reason says so: it never runs, since its
-  creator was told it failed and creates it again, and running both would do the work twice), then
-  filed where its creation would have filed it (roster at its ``created_ms``, the index from its
-  record, ``active``, its due entry), so the tenant sees it listed as cancelled and the supervisor
-  retires it like any cancelled job. Each step is idempotent: a repair racing a slow creation, or two
-  supervisors repairing one job, write the same thing.
+- the job is still ``running``: the creation was cut (anywhere from its first group to the removal).
+  The job is cancelled (its reason says so: it must not run, since its creator was told it failed and
+  creates it again, and running both would do the work twice), then filed where its creation would
+  have filed it (roster at its ``created_ms``, the index from its record, ``active``, its due entry), so
+  the tenant sees it listed as cancelled and the supervisor retires it like any cancelled job. Each
+  step is idempotent: a repair racing a slow creation, or two supervisors on one entry, write the same.
+  A creation cut after its last group may have had a few batches dispatched in the grace time; the
+  cancellation stops it there.
+- any other status: someone already acted on it; the entry is dropped.
 """
 
 from __future__ import annotations
@@ -29,8 +32,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import Any
-
-import redis
 
 from gateway.ledger.multi import is_cluster_client
 
@@ -57,12 +58,10 @@ class CreationJournal:
             self.r.zadd(self.keys.creating, {job_id: now_ms})
 
     def end(self, job_id: str) -> None:
-        """The creation's MULTI ran whole: drop its entry (if this fails, ``repair`` drops it)."""
+        """The creation's MULTI ran whole: drop its entry. If this raises, the creation answers an
+        error, and ``repair`` cancels the job."""
         if self.enabled:
-            try:
-                self.r.zrem(self.keys.creating, job_id)
-            except redis.RedisError as exc:
-                log.warning("creation journal: job_id=%s created, its entry left (%s)", job_id, exc)
+            self.r.zrem(self.keys.creating, job_id)
 
     def repair(self, now_ms: int, grace_ms: int | None = None) -> list[str]:
         """Settle the creations that began more than ``grace_ms`` (``GRACE_MS``) ago and never ended;
@@ -74,13 +73,10 @@ class CreationJournal:
                                      num=REPAIR_BATCH, withscores=True)
         cut = []
         for job_id, began in stale:
-            pipe = self.r.pipeline(transaction=False)
-            pipe.hmget(self.keys.job(job_id).job, "status", "created_ms")
-            pipe.zscore(self.keys.due, job_id)
-            (status, created), due = pipe.execute()
+            status, created = self.r.hmget(self.keys.job(job_id).job, "status", "created_ms")
             if status is None and now_ms - began <= ABANDON_MS:
                 continue
-            if status == "running" and due is None:
+            if status == "running":
                 self._cancel_and_file(job_id, int(created or began))
                 cut.append(job_id)
             self.r.zrem(self.keys.creating, job_id)
