@@ -1,11 +1,12 @@
 """Commit rate on a Redis Cluster of 1 master against one of 3 masters, in the same run.
 
-Run: .venv/bin/python benchmarks/bench_cluster.py [--clients 6] [--seconds 10] [--replicas 0]
-Starts a local cluster of 1 master (tests/cluster.py: the tests' redis-server, AOF on), then one of 3
-masters, each with ``--replicas`` replicas per master. On each, ``--clients`` processes (each its own
-RedisCluster client and its own job of one-stage, one-item batches, the jobs spread evenly over the
-masters) lease and complete batches through the Python ledger for ``--seconds``. Prints commits/s per
-cluster, their ratio, and CPU per commit: Redis (user + sys, from INFO of every node) and the clients'.
+Run: .venv/bin/python benchmarks/bench_cluster.py [--clients 6] [--seconds 5] [--rounds 4] [--replicas 0]
+Starts a local cluster of 1 master and one of 3 masters (tests/cluster.py: the tests' redis-server, AOF
+on), ``--replicas`` replicas per master. In each of ``--rounds`` rounds, on one cluster then the other,
+``--clients`` processes (each its own RedisCluster client and its own job of one-stage, one-item
+batches, the jobs spread evenly over the masters) lease and complete batches through the Python ledger
+for ``--seconds``. Prints commits/s per cluster (and per round), their ratio, and CPU per commit: Redis
+(user + sys, from INFO of every node) and the clients'.
 
 On a machine with fewer cores than masters plus clients the ratio says how much the client side and the
 masters' shared cores cap the scaling, not what 3 masters on 3 machines give (docs/benchmarks.md).
@@ -85,53 +86,66 @@ def redis_cpu_s(cluster: LocalCluster) -> float:
     return total
 
 
-def measure(masters: int, replicas: int, clients: int, seconds: float) -> tuple[float, float, float]:
-    """(commits/s, Redis CPU us per commit, client CPU us per commit) on a fresh cluster of ``masters``
-    masters; client CPU counts the clients' warm-up too (20 steps each)."""
+def setup(masters: int, replicas: int, clients: int) -> tuple[LocalCluster, list[str]]:
+    """A fresh cluster of ``masters`` masters and one job per client, spread over the masters."""
     cluster = LocalCluster(tempfile.mkdtemp(prefix="bg-bench-cluster-"), masters=masters,
                            replicas=replicas).start()
-    try:
-        settings = settings_for(cluster.url)
-        client = client_for(cluster.url, settings)
-        ledger = Ledger(client, settings)
-        service = JobService(ledger, FlowRegistry(client, ledger.keys))
-        items = 200_000  # more than any client completes
-        jobs = spread_jobs(service, client, masters, clients, items)
-        out = multiprocessing.Queue()
-        clients_before = _children_cpu_s()
-        start_at = time.time() + 3.0  # every client warmed up and waiting
-        procs = [multiprocessing.Process(target=client_loop, args=(cluster.url, job_id, seconds, start_at, out))
-                 for job_id in jobs]
-        for proc in procs:
-            proc.start()
-        while time.time() < start_at:
-            time.sleep(0.01)
-        cpu_before = redis_cpu_s(cluster)
-        counts = [out.get(timeout=seconds + 60) for _ in procs]
-        cpu = redis_cpu_s(cluster) - cpu_before
-        for proc in procs:
-            proc.join()
-        total = sum(counts)
-        return total / seconds, cpu / total * 1e6, (_children_cpu_s() - clients_before) / total * 1e6
-    finally:
-        cluster.stop()
+    settings = settings_for(cluster.url)
+    client = client_for(cluster.url, settings)
+    ledger = Ledger(client, settings)
+    jobs = spread_jobs(JobService(ledger, FlowRegistry(client, ledger.keys)), client, masters, clients,
+                       items=1_000_000)  # more than any client completes
+    client.close()
+    return cluster, jobs
+
+
+def run_round(cluster: LocalCluster, jobs: list[str], seconds: float) -> tuple[int, float, float]:
+    """(commits, Redis CPU s, client CPU s) of one timed round, one client process per job; client CPU
+    counts the clients' warm-up too (20 steps each)."""
+    out = multiprocessing.Queue()
+    clients_before = _children_cpu_s()
+    start_at = time.time() + 2.0  # every client warmed up and waiting
+    procs = [multiprocessing.Process(target=client_loop, args=(cluster.url, job_id, seconds, start_at, out))
+             for job_id in jobs]
+    for proc in procs:
+        proc.start()
+    while time.time() < start_at:
+        time.sleep(0.01)
+    cpu_before = redis_cpu_s(cluster)
+    counts = [out.get(timeout=seconds + 60) for _ in procs]
+    cpu = redis_cpu_s(cluster) - cpu_before
+    for proc in procs:
+        proc.join()
+    return sum(counts), cpu, _children_cpu_s() - clients_before
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=6)
-    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--seconds", type=float, default=5.0, help="per round and cluster")
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--replicas", type=int, default=0)
     args = parser.parse_args()
-    one, one_cpu, one_client = measure(1, args.replicas, args.clients, args.seconds)
-    three, three_cpu, three_client = measure(3, args.replicas, args.clients, args.seconds)
-    print(f"{args.clients} client processes, {args.seconds:.0f} s each, {args.replicas} replica(s) per master, "
-          f"{multiprocessing.cpu_count()} cores")
-    print(f"1 master:  {one:,.0f} commits/s   CPU per commit: Redis {one_cpu:,.0f} us, "
-          f"clients {one_client:,.0f} us")
-    print(f"3 masters: {three:,.0f} commits/s   CPU per commit: Redis {three_cpu:,.0f} us, "
-          f"clients {three_client:,.0f} us")
-    print(f"ratio 3/1: {three / one:.2f}x")
+    clusters = {n: setup(n, args.replicas, args.clients) for n in (1, 3)}
+    totals = {n: [0, 0.0, 0.0] for n in clusters}
+    rates: dict[int, list[float]] = {n: [] for n in clusters}
+    try:
+        for _ in range(args.rounds):  # interleaved: load from elsewhere on the machine hits both alike
+            for n, (cluster, jobs) in clusters.items():
+                got = run_round(cluster, jobs, args.seconds)
+                totals[n] = [t + g for t, g in zip(totals[n], got, strict=True)]
+                rates[n].append(got[0] / args.seconds)
+    finally:
+        for cluster, _ in clusters.values():
+            cluster.stop()
+    print(f"{args.clients} client processes, {args.rounds} interleaved rounds of {args.seconds:.0f} s, "
+          f"{args.replicas} replica(s) per master, {multiprocessing.cpu_count()} cores")
+    for n, (commits, redis_s, client_s) in totals.items():
+        rate = commits / (args.seconds * args.rounds)
+        print(f"{n} master{'s' if n > 1 else ' '}: {rate:,.0f} commits/s (rounds: "
+              f"{', '.join(f'{r:,.0f}' for r in rates[n])})   CPU per commit: Redis {redis_s / commits * 1e6:,.0f} us, "
+              f"clients {client_s / commits * 1e6:,.0f} us")
+    print(f"ratio 3/1: {totals[3][0] / totals[1][0]:.2f}x")
 
 
 if __name__ == "__main__":
