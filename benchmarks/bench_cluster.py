@@ -143,7 +143,8 @@ def main() -> None:
     for n, (commits, redis_s, client_s) in totals.items():
         rate = commits / (args.seconds * args.rounds)
         print(f"{n} master{'s' if n > 1 else ' '}: {rate:,.0f} commits/s (rounds: "
-              f"{', '.join(f'{r:,.0f}' for r in rates[n])})   CPU per commit: Redis {redis_s / commits * 1e6:,.0f} us, "
+              f"{', '.join(f'{r:,.0f}' for r in rates[n])})   "
+              f"CPU per commit: Redis {redis_s / commits * 1e6:,.0f} us, "
               f"clients {client_s / commits * 1e6:,.0f} us")
     print(f"ratio 3/1: {totals[3][0] / totals[1][0]:.2f}x")
 

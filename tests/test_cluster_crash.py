@@ -116,7 +116,8 @@ class PushStack:
         for i in range(2):
             public = self.gateways[(i + 1) % 2].base
             self.envs.append({**self.gateways[i].env, "BATCHGATE_PUBLIC_URL": public,
-                              "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]', "BATCHGATE_LOG_LEVEL": "WARNING",
+                              "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]',
+                              "BATCHGATE_LOG_LEVEL": "WARNING",
                               "BATCHGATE_SUPERVISOR_INTERVAL": "0.1", **env})
         for gw, own in zip(self.gateways, self.envs, strict=True):
             gw.env = {**own, "BATCHGATE_PUBLIC_URL": gw.base}
@@ -137,7 +138,8 @@ class PushStack:
         from tests.test_restart import Proc
 
         self.starts += 1
-        self.supervisors[i] = Proc(self.tmp_path, f"supervisor-{i}-{self.starts}", ["supervisor"], self.envs[i])
+        self.supervisors[i] = Proc(self.tmp_path, f"supervisor-{i}-{self.starts}", ["supervisor"],
+                                   self.envs[i])
 
     def crash(self, role: str) -> None:
         """SIGKILL the first process of ``role`` (its whole process group) and start it again."""
