@@ -31,7 +31,9 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        return f"redis+cluster://127.0.0.1:{self.ports[0]}/0"
+        """Every node as a startup node: a process starting while one is down (killed in a failover
+        test) still joins."""
+        return f"redis+cluster://{','.join(f'127.0.0.1:{port}' for port in self.ports)}/0"
 
     @property
     def master_ports(self) -> list[int]:

@@ -30,6 +30,24 @@ def test_the_client_is_a_redis_cluster(cluster_client):
     assert len(cluster_client.get_primaries()) == 3 and len(cluster_client.get_replicas()) == 3
 
 
+def test_a_url_may_name_several_startup_nodes_and_one_down_is_passed_over(cluster, cluster_settings):
+    """A process starting while a node its URL names is down (a master killed in a failover) joins
+    through the next one; a URL naming one dead node cannot."""
+    import redis
+
+    from gateway.ledger.embedded import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+    live = ",".join(f"127.0.0.1:{port}" for port in cluster.ports[1:3])
+    client = client_for(f"redis+cluster://{dead},{live}/0", cluster_settings)
+    try:
+        assert client.ping() and len(client.get_primaries()) == 3
+    finally:
+        client.close()
+    with pytest.raises(redis.exceptions.RedisClusterException):
+        client_for(f"redis+cluster://{dead}/0", cluster_settings)
+
+
 def test_a_pull_job_runs_to_the_end_through_the_api(cluster_api):
     from tests.test_api import create_job, drain, job, register
 

@@ -125,7 +125,9 @@ def client_for(url: str, settings: Settings | None = None, *,
 
     A cluster URL (``redis+cluster://host:port``, or any URL with BATCHGATE_REDIS_CLUSTER=1) gives a
     ``RedisCluster``: it has the same commands, scripts and (single-slot) pipelines; docs/design.md,
-    Cluster, says what batchgate keeps in one slot for it."""
+    Cluster, says what batchgate keeps in one slot for it. It may name several startup nodes
+    (``redis+cluster://h1:p1,h2:p2/0``): the client asks them in turn for the cluster's layout, so a
+    process starting while one of them is down still joins."""
     s = settings or Settings.model_construct()
     options = dict(decode_responses=True, encoding_errors="surrogateescape",
                    socket_connect_timeout=_seconds(s, "redis_connect_timeout", 5.0),
@@ -134,10 +136,32 @@ def client_for(url: str, settings: Settings | None = None, *,
     if is_cluster(url, settings):
         from redis.cluster import RedisCluster
 
-        scheme, rest = url.split("://", 1)
-        plain = f"{CLUSTER_SCHEMES.get(scheme.lower(), scheme)}://{rest}"
-        return RedisCluster.from_url(plain, **options)
+        first, others = startup_nodes(url)
+        return RedisCluster(url=first, startup_nodes=others, **options)
     return redis.Redis.from_url(url, **options)
+
+
+def startup_nodes(url: str) -> tuple[str, list]:
+    """A cluster URL's first node as a plain URL (credentials, TLS and query kept) and the other
+    nodes it names (``h1:p1,h2:p2``) as redis-py ClusterNodes."""
+    from redis.cluster import ClusterNode
+
+    scheme, rest = url.split("://", 1)
+    scheme = CLUSTER_SCHEMES.get(scheme.lower(), scheme)
+    end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    auth, at, hosts = rest[:end].rpartition("@")
+    first, *others = hosts.split(",")
+    return f"{scheme}://{auth}{at}{first}{rest[end:]}", [ClusterNode(*_host_port(n)) for n in others]
+
+
+def _host_port(node: str) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port`` or a bare host (port 6379)."""
+    if node.startswith("["):
+        host, _, rest = node[1:].partition("]")
+        port = rest.removeprefix(":")
+    else:
+        host, _, port = node.partition(":")
+    return host, int(port or 6379)
 
 
 def queue_client_for(settings: Settings) -> redis.Redis:
