@@ -134,6 +134,15 @@ class PushStack:
             self.start_supervisor(i)
         return self
 
+    def wait_supervising(self, client, keys, timeout_s: float = 60) -> None:
+        """Until both supervisors beat (started processes take a while to import on a busy machine)."""
+        deadline = time.monotonic() + timeout_s
+        while len(client.hkeys(keys.alive("supervisor"))) < 2:
+            for sup in self.supervisors:
+                assert sup.proc.poll() is None, f"a supervisor exited:\n{sup.output()}"
+            assert time.monotonic() < deadline, "the supervisors did not start"
+            time.sleep(0.1)
+
     def start_supervisor(self, i: int) -> None:
         from tests.test_restart import Proc
 
@@ -242,6 +251,7 @@ def test_a_push_job_survives_sigkills_on_two_gateways_supervisors_and_workers(
     try:
         with platform:
             stack.start()
+            stack.wait_supervising(cluster_client, ledger.keys)
             first, second = (ApiClient(gw.base, TOKEN) for gw in stack.gateways)
             assert first.post("/v1/flows", json=push_flow(platform.url, batches)).status_code == 201
             job_id = second.post("/v1/jobs", json={"flow_id": "push-e2e"}).json()["job_id"]
