@@ -261,7 +261,7 @@ def test_a_push_job_survives_sigkills_on_two_gateways_supervisors_and_workers(
                     killed = cluster_client.get_node_from_key(ledger.keys.job(job_id).job).port
                     cluster.kill(killed)
                     killed_at = time.monotonic()
-                    _retrying(lambda: ledger.job_fields(job_id))  # the replica took over
+                    answers = _answers_until_ok(first, f"/v1/jobs/{job_id}")  # the replica took over
                     took_over = time.monotonic() - killed_at
                     cluster.restart(killed)  # and the old master comes back as its replica
                 else:
@@ -287,12 +287,28 @@ def test_a_push_job_survives_sigkills_on_two_gateways_supervisors_and_workers(
         acked_before = sum(at < killed_at for at in platform.acked.values())
         runs = sum(len(v) for v in platform.began.values())
         with capsys.disabled():
-            print(f"\npush failover (WAIT 1): replica answering {took_over:.1f} s after the kill; "
+            print(f"\npush failover (WAIT 1): the API answering 200 again {took_over:.1f} s after the kill "
+                  f"({sum(a[0] == 503 for a in answers)} 503 answers before); "
                   f"{acked_before} scoring commits acknowledged before it; {runs - batches} scoring runs "
                   f"repeated (calls cut by the failover); {len(platform.redone_after_ack())} after an "
                   "acknowledged commit")
         assert promoted != killed and 0 < acked_before < len(platform.acked)
+        # while the slot had no master the API said so (503 problem, Retry-After), never a 500
+        assert {status for status, _ in answers} <= {200, 503}, answers
+        assert all(kind == "application/problem+json" for status, kind in answers if status == 503), answers
         assert platform.redone_after_ack() == []
+
+
+def _answers_until_ok(api: ApiClient, path: str, timeout_s: float = 60) -> list[tuple[int, str]]:
+    """GET ``path`` until it answers 200; every (status, content type) seen on the way."""
+    answers: list[tuple[int, str]] = []
+    deadline = time.monotonic() + timeout_s
+    while not answers or answers[-1][0] != 200:
+        assert time.monotonic() < deadline, f"the API did not answer again: {answers}"
+        resp = api.get(path)
+        answers.append((resp.status_code, resp.headers.get("Content-Type", "")))
+        time.sleep(0.1)
+    return answers
 
 
 def _wait_completed(ledger: Ledger, job_id: str, count: int, timeout_s: float = 90) -> None:
