@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 # -- a creation cut between its slot groups ---------------------------------------------------------
 
 def test_a_creation_cut_between_its_slot_groups_is_cancelled_and_listed_by_the_next_supervisor_pass(
-        cluster, cluster_settings, cluster_client, monkeypatch):
+        cluster, cluster_settings, cluster_client, monkeypatch, caplog):
     """The process creating a job dies after the MULTI of the job's own slot (spec, state, log) and
     before the roster, index, active set and due index: the job answers by id but is not listed, and its
     creator got an error, so it creates the job again. A supervisor started afterwards (its own client)
@@ -88,6 +88,13 @@ def test_a_creation_cut_between_its_slot_groups_is_cancelled_and_listed_by_the_n
         sup.tick()
         assert cluster_client.zrange(ledger.keys.creating, 0, -1) == []
         assert ledger.job_fields(again)["status"] == "succeeded"
+        # a cut job whose record fails its checksum cannot be cancelled: the pass goes on without it
+        broken = jobs.create("acme", JobRequest(flow_id="f"))["job_id"]
+        cluster_client.hset(ledger.keys.job(broken).job, "items_done", "999")
+        cluster_client.zadd(ledger.keys.creating, {broken: 1})
+        sup.tick()
+        assert cluster_client.zrange(ledger.keys.creating, 0, -1) == []
+        assert f"job_id={broken} cut off in its creation, not settled" in caplog.text
     finally:
         fresh.close()
 

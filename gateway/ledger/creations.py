@@ -33,6 +33,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from gateway.errors import BatchgateError
 from gateway.ledger.multi import is_cluster_client
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,12 @@ class CreationJournal:
             if status is None and now_ms - began <= ABANDON_MS:
                 continue
             if status == "running":
-                self._cancel_and_file(job_id, int(created or began))
-                cut.append(job_id)
+                try:
+                    self._cancel_and_file(job_id, int(created or began))
+                    cut.append(job_id)
+                except BatchgateError as exc:  # e.g. a corrupt record: nothing to file; the pass goes on
+                    log.warning("creation journal: job_id=%s cut off in its creation, not settled: %s",
+                                job_id, exc.detail)
             self.r.zrem(self.keys.creating, job_id)
         return cut
 
