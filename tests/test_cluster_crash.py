@@ -32,9 +32,11 @@ def test_a_creation_cut_between_its_slot_groups_is_cancelled_and_listed_by_the_n
         cluster, cluster_settings, cluster_client, monkeypatch, caplog):
     """The process creating a job dies after the MULTI of the job's own slot (spec, state, log) and
     before the roster, index, active set and due index: the job answers by id but is not listed, and its
-    creator got an error, so it creates the job again. A supervisor started afterwards (its own client)
-    settles the creation journal: the cut job is cancelled (never run: that would do the work twice)
-    and listed as such, then retired; the job created again runs to the end."""
+    creator got an error (a 503 problem), so it creates the job again, with the same Idempotency-Key:
+    a new job (the key's claim was let go with the error). A supervisor started afterwards (its own
+    client) settles the creation journal: the cut job is cancelled (never run: that would do the work
+    twice) and listed as such, then retired; the job created again runs to the end."""
+    from gateway.api.app import create_app
     from gateway.ledger import creations
     from gateway.ledger.flows import FlowRegistry, parse_flow
     from gateway.ledger.joblist import ListQuery
@@ -42,6 +44,7 @@ def test_a_creation_cut_between_its_slot_groups_is_cancelled_and_listed_by_the_n
     from gateway.ledger.multi import SlotMulti
     from gateway.push.supervisor import Supervisor
     from tests.conftest import drain
+    from tests.http import serve_app
 
     ledger = Ledger(cluster_client, cluster_settings)
     registry = FlowRegistry(cluster_client, ledger.keys)
@@ -52,20 +55,31 @@ def test_a_creation_cut_between_its_slot_groups_is_cancelled_and_listed_by_the_n
     executed = SlotMulti.execute
 
     def killed_after_the_job_slot(self, raise_on_error=True):
-        first = self.client.keyslot(self._queued[0][1][0])  # the job's keys are queued first
+        first = self.client.keyslot(self._queued[0][1][0])  # a creation queues the job's keys first
+        if ":{job_" not in self._queued[0][1][0]:
+            return executed(self, raise_on_error)  # another MULTI (the Idempotency-Key's record)
         self._queued = [q for q in self._queued if self.client.keyslot(q[1][0]) == first]
         executed(self, raise_on_error)
         raise redis.ConnectionError("the creating process died here")
 
-    monkeypatch.setattr(SlotMulti, "execute", killed_after_the_job_slot)
-    with pytest.raises(redis.ConnectionError):
-        jobs.create("acme", JobRequest(flow_id="f"))
-    monkeypatch.undo()
-    (cut,) = cluster_client.zrange(ledger.keys.creating, 0, -1)
-    assert ledger.job_fields(cut)["status"] == "running"  # the job's own keys are there
-    assert jobs.list("acme", ListQuery()).jobs == []
-    assert not cluster_client.sismember(ledger.keys.active, cut)
-    again = jobs.create("acme", JobRequest(flow_id="f"))["job_id"]  # the client, told it failed
+    base, stop = serve_app(create_app(cluster_settings, cluster_client))
+    api = ApiClient(base, TOKEN)
+    try:
+        monkeypatch.setattr(SlotMulti, "execute", killed_after_the_job_slot)
+        failed = api.post("/v1/jobs", json={"flow_id": "f"}, headers={"Idempotency-Key": "k1"})
+        monkeypatch.undo()
+        assert failed.status_code == 503, failed.text
+        assert failed.headers["Content-Type"] == "application/problem+json"
+        (cut,) = cluster_client.zrange(ledger.keys.creating, 0, -1)
+        assert ledger.job_fields(cut)["status"] == "running"  # the job's own keys are there
+        assert api.get("/v1/jobs").json()["jobs"] == []
+        assert not cluster_client.sismember(ledger.keys.active, cut)
+        retried = api.post("/v1/jobs", json={"flow_id": "f"}, headers={"Idempotency-Key": "k1"})
+        assert retried.status_code == 201, retried.text
+        again = retried.json()["job_id"]
+        assert again != cut and [j["job_id"] for j in api.get("/v1/jobs").json()["jobs"]] == [again]
+    finally:
+        stop()
 
     fresh = client_for(cluster.url, cluster_settings)  # another process, in effect
     try:
