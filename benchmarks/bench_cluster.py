@@ -101,7 +101,8 @@ def setup(masters: int, replicas: int, clients: int) -> tuple[LocalCluster, list
 
 def run_round(cluster: LocalCluster, jobs: list[str], seconds: float) -> tuple[int, float, float]:
     """(commits, Redis CPU s, client CPU s) of one timed round, one client process per job; client CPU
-    counts the clients' warm-up too (20 steps each)."""
+    also counts each client's start (its cluster client, the slot map) and warm-up (20 steps), a few
+    per cent of a 5 s round."""
     out = multiprocessing.Queue()
     clients_before = _children_cpu_s()
     start_at = time.time() + 2.0  # every client warmed up and waiting
