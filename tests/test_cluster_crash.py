@@ -13,6 +13,7 @@ supervisors and two workers as real processes.
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -337,3 +338,49 @@ def _wait_completed(ledger: Ledger, job_id: str, count: int, timeout_s: float = 
     while int(ledger.job_fields(job_id)["n_done"]) < count:
         assert time.monotonic() < deadline, f"push job stalled below {count} batches"
         time.sleep(0.05)
+
+
+# -- a supervisor started while the cluster is down (tests/test_restart.py) ---------------------------
+
+def test_a_supervisor_started_while_every_node_is_down_waits_then_expires_the_dead_lease(
+        cluster, cluster_settings, cluster_client, tmp_path):
+    """`batchgate supervisor` as a process, started while every node of the cluster is down (SIGKILLed):
+    it waits (no exit, no traceback); once the nodes are back from their AOF it supervises: the lease a
+    dead worker held runs out and is expired."""
+    from gateway.ledger.flows import FlowRegistry, parse_flow
+    from gateway.ledger.jobs import JobRequest, JobService
+    from gateway.runtime import procs
+    from tests.test_restart import FLOW, Proc, _events, _wait_for
+
+    ledger = Ledger(cluster_client, cluster_settings)
+    registry = FlowRegistry(cluster_client, ledger.keys)
+    registry.register("acme", parse_flow(FLOW))
+    job_id = JobService(ledger, registry).create("acme", JobRequest(flow_id="restart"))["job_id"]
+    dead = ledger.lease(job_id)  # its worker dies: the lease (0.5 s) is left to run out
+    env = {**procs.child_env(cluster_settings, cluster.url, {TOKEN: "acme"}),
+           "BATCHGATE_SUPERVISOR_INTERVAL": "0.2", "BATCHGATE_REDIS_CONNECT_TIMEOUT": "1"}
+    for port in cluster.ports:
+        cluster.kill(port)
+    sup = None
+    try:
+        sup = Proc(tmp_path, "supervisor", ["supervisor"], env)
+        time.sleep(2.0)
+        assert sup.proc.poll() is None, f"the supervisor exited with the cluster down:\n{sup.output()}"
+        assert "waiting for a startup node" in sup.output(), sup.output()
+    finally:
+        for port in cluster.ports:
+            if cluster.procs[port].poll() is not None:
+                cluster.restart(port)
+        cluster.wait_replicated()
+    fresh = client_for(cluster.url, cluster_settings)  # the test's own client, after the restart
+    try:
+        watcher = Ledger(fresh, cluster_settings)
+        _wait_for("the dead lease expired", lambda: [
+            e for e in _events(fresh, watcher, job_id, "retry_scheduled") if e["seq"] == str(dead.seq)], sup,
+            timeout_s=30)
+        assert "Traceback" not in sup.output(), sup.output()
+        sup.proc.send_signal(signal.SIGTERM)
+        assert sup.proc.wait(15) == 0
+    finally:
+        sup.kill_group()
+        fresh.close()

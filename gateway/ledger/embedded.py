@@ -352,6 +352,35 @@ def recorded_url(data_dir: Path) -> str | None:
     return url
 
 
+#: what a cluster client raises while no startup node answers, or the cluster is not serving every slot
+#: yet (its nodes restarting): worth waiting for, unlike a wrong URL
+_CLUSTER_NOT_UP = ("Redis Cluster cannot be connected", "slots are not covered")
+CLUSTER_WAIT_MAX_S = 2.0  # longest wait between two tries
+CLUSTER_WAIT_LOG_S = 30.0  # while no node answers, one warning this often
+
+
+def cluster_client_when_up(url: str, settings: Settings) -> redis.Redis:
+    """``client_for(url)`` for a cluster, waiting while it cannot be reached. A cluster client asks its
+    startup nodes for the cluster's layout when it is made (a plain client connects on first use), so a
+    process started while every node it names is down would exit; on a plain Redis it starts and waits
+    (answering 503, or retrying its loop). This makes the cluster the same: it waits here."""
+    from redis.exceptions import RedisClusterException
+
+    delay, logged = 0.1, 0.0
+    while True:
+        try:
+            return client_for(url, settings)
+        except (RedisClusterException, redis.ConnectionError, redis.TimeoutError) as exc:
+            if isinstance(exc, RedisClusterException) and not any(m in str(exc) for m in _CLUSTER_NOT_UP):
+                raise
+            if time.monotonic() - logged > CLUSTER_WAIT_LOG_S:
+                log.warning("Redis Cluster unavailable (%s): waiting for a startup node to answer",
+                            type(exc).__name__)
+                logged = time.monotonic()
+            time.sleep(delay)
+            delay = min(delay * 2, CLUSTER_WAIT_MAX_S)
+
+
 def connect(settings: Settings) -> tuple[redis.Redis, Settings]:
     """The ledger's Redis, and ``settings`` naming its URL.
 
@@ -360,10 +389,12 @@ def connect(settings: Settings) -> tuple[redis.Redis, Settings]:
     """
     if settings.redis_url is not None:
         url = settings.redis_url.get_secret_value()
-        if is_cluster(url, settings) and settings.queue_redis_url is None:
-            raise NoLedgerRedis(
-                "BATCHGATE_REDIS_URL names a Redis Cluster, where RQ (the push queue) cannot run: set "
-                "BATCHGATE_QUEUE_REDIS_URL to a plain (non-cluster) Redis as well")
+        if is_cluster(url, settings):
+            if settings.queue_redis_url is None:
+                raise NoLedgerRedis(
+                    "BATCHGATE_REDIS_URL names a Redis Cluster, where RQ (the push queue) cannot run: set "
+                    "BATCHGATE_QUEUE_REDIS_URL to a plain (non-cluster) Redis as well")
+            return cluster_client_when_up(url, settings), settings
         return client_for(url, settings), settings
     data_dir = Path(settings.data_dir).resolve()
     url = recorded_url(data_dir)
