@@ -88,6 +88,7 @@ from gateway.ledger.flows import FlowRegistry, parse_flow
 from gateway.ledger.jobs import JobRequest, JobService
 from gateway.ledger.ledger import Ledger
 from gateway.ledger.records import dumps, intact, loads_or_none, seal
+from gateway.ledger.scripts import JOURNAL_MS
 from gateway.settings import Settings
 from gateway.push.supervisor import Supervisor
 
@@ -821,7 +822,7 @@ class LedgerMachine(RuleBasedStateMachine):
         """Every key of the job but its log and audit streams (and the short-lived claim and plan lock);
         zsets by member only unless ``scores`` (the machine itself moves lease and ready scores: time)."""
         keys = sorted(k for k in self.r.keys(self.k.job.rsplit(":", 1)[0] + ":*")
-                      if not k.endswith((":log", ":audit", ":recover", ":planlock")))
+                      if not k.endswith((":log", ":audit", ":recover", ":planlock")) and ":call:" not in k)
         pipe = self.r.pipeline(transaction=False)
         for key in keys:
             pipe.type(key)
@@ -973,12 +974,15 @@ class LedgerMachine(RuleBasedStateMachine):
         assert [f["event"] for _, f in r.xrange(k.audit)] == self.audit
 
         # retention: only a finished job's keys may carry a TTL (the supervisor's retire): one that runs
-        # again must not vanish mid-run; the recovery claim and the plan lock always expire by their own
+        # again must not vanish mid-run; the recovery claim and the plan lock always expire by their own,
+        # and so do the call journal's first answers (scripts.JOURNAL_MS)
         keys = r.keys(k.job.rsplit(":", 1)[0] + ":*")
         ttls = self.pipe_all(lambda pipe: [pipe.pttl(key) for key in keys])
         for key, ttl in zip(keys, ttls, strict=True):
             if key.endswith((":recover", ":planlock")):
                 assert 0 < ttl <= 60_000, f"{key} of a {m.status} job: TTL {ttl}"
+            elif ":call:" in key:
+                assert 0 < ttl <= JOURNAL_MS, f"{key}: a call's first answer kept for {ttl} ms"
             elif m.status not in ("succeeded", "cancelled"):
                 assert ttl == -1, f"{key} of a {m.status} job expires in {ttl} ms"
 
