@@ -14,7 +14,7 @@ from gateway import tracing
 OPERATIONS = (
     "plan", "lease", "heartbeat", "complete", "fail", "expire", "reopen", "replan", "set_status", "selfcheck",
     "slot", "cancel", "begin", "source_fail", "breaker", "outage", "unwait", "handle", "decide",
-    "open_approval",
+    "open_approval", "qretry",
 )
 
 
@@ -76,6 +76,7 @@ class Scripts:
     handle: Script
     decide: Script
     open_approval: Script
+    qretry: Script
 
     @classmethod
     def register(cls, client: redis.Redis, observer: Observer | None = None) -> Scripts:

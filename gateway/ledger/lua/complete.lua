@@ -73,6 +73,27 @@ if sets_cursor then
     if ARGV[3] == 'null' then jchg['exhausted'] = '1' else jchg['frontier'] = ARGV[3] end
   end
 end
+-- Bisection (docs/design.md "Bisection"): a piece of the batch, or the items of a pass that left some
+-- quarantined, answered; its output is kept as a part, the next piece is leased afresh, and once none is
+-- left the stage's output is the parts together
+local piece = selection(batch, stage)
+if piece then
+  bchg['out:' .. stage] = nil
+  add_part(batch, bchg, stage, piece, ARGV[2])
+  local bis = bis_at(batch, stage)
+  if bis and #bis.p > 1 then
+    table.remove(bis.p, 1)
+    next_piece(bchg, stage, bis, now)
+    redis.call('ZREM', KEYS[4], seq)
+    redis.call('ZADD', KEYS[7 + stage], now, seq)
+    save(KEYS[2], batch, bchg)
+    log(KEYS[6], ARGV[7], {'event', 'piece_completed', 'seq', seq, 'stage', int(stage),
+      'attempt', attempt, 'items', piece_label(piece)})
+    return {'ok', int(stage), redis.call('HGET', KEYS[1], 'status') or 'missing', attempt, int(stage)}
+  end
+  if bis then bchg['bis'] = '' end
+  bchg['out:' .. stage] = merged_output(batch, bchg, stage)
+end
 local S = nstages
 local k = {job = KEYS[1], batch = KEYS[2], items = KEYS[3], leases = KEYS[4], done = KEYS[5],
   log = KEYS[6], ready = {unpack(KEYS, 7, 6 + S)}, approvals = KEYS[7 + S], due = KEYS[8 + S]}
