@@ -59,6 +59,17 @@ def key_suffix(piece: list[int] | None) -> str:
     return ":i" + hashlib.sha256(",".join(map(str, piece)).encode()).hexdigest()[:16]
 
 
+def batch_fields(batch: dict[str, str]) -> dict[str, Any]:
+    """What a batch view adds for bisection: the item indices quarantined, and while the batch runs in
+    pieces, the pieces still to run (the first is the one leased or next) and the extra calls spent."""
+    view: dict[str, Any] = {}
+    if batch.get("bq"):
+        view["quarantined_items"] = _list(batch["bq"])
+    if batch.get("bis"):
+        view["bisecting"] = {"pieces": json.loads(batch["bis"])["p"], "extra_calls": int(batch.get("bx") or 0)}
+    return view
+
+
 def entries(seq: int, batch: dict[str, str], items: list[Any] | None,
             stage_names: list[str]) -> list[dict[str, Any]]:
     """The quarantined items of one batch as the API shows them."""
