@@ -83,7 +83,7 @@ if piece then
   local bis = bis_at(batch, stage)
   if bis and #bis.p > 1 then
     table.remove(bis.p, 1)
-    next_piece(bchg, stage, bis, now)
+    next_piece(batch, bchg, stage, bis, now)
     redis.call('ZREM', KEYS[4], seq)
     redis.call('ZADD', KEYS[7 + stage], now, seq)
     save(KEYS[2], batch, bchg)

@@ -77,7 +77,7 @@ local function bisect_failed(k, job, batch, cap, nstages)
   end
   local write = nil
   if #pieces > 0 then
-    next_piece(bchg, stage, {p = pieces}, now)
+    next_piece(batch, bchg, stage, {p = pieces}, now)
     write = function() redis.call('ZADD', k.ready[tonumber(stage) + 1], now, seq) end
   else
     -- every piece ran: the stage is done for this pass (its output: the parts that passed)

@@ -389,8 +389,13 @@ local function merged_output(batch, bchg, stage)
   return '{"parts":[' .. table.concat(parts, ',') .. ']}'
 end
 
--- The next piece is leased afresh (its own attempts) at the same stage: batch changes into bchg.
-local function next_piece(bchg, stage, bis, now)
+-- The next piece is leased afresh (its own attempts) at the same stage: batch changes into bchg. A
+-- platform run an earlier piece started (handle.lua) is forgotten: it is not this piece's run.
+local function next_piece(batch, bchg, stage, bis, now)
+  if (batch['handle'] or '') ~= '' then
+    bchg['handle'] = ''
+    bchg['handle_stage'] = ''
+  end
   bchg['bis'] = cjson.encode({s = tonumber(stage), p = bis.p})
   bchg['status'] = 'pending'
   bchg['attempt'] = '0'

@@ -49,6 +49,10 @@ local bchg = {status = 'pending', stage = int(stage), attempt = '0', unspent = '
   deadline_ms = '', ready_ms = int(now), error = '', bq = #rest > 0 and encode_list(rest) or '',
   only = encode_list(chosen), bis = cjson.encode({s = stage, p = pieces})}
 bchg['st:' .. stage] = 'pending'
+if (batch['handle'] or '') ~= '' then  -- an earlier run is not this retry's
+  bchg['handle'] = ''
+  bchg['handle_stage'] = ''
+end
 for _, i in ipairs(chosen) do
   bchg['qe:' .. i], bchg['qt:' .. i], bchg['qs:' .. i], bchg['qa:' .. i] = '', '', '', ''
 end
