@@ -13,6 +13,7 @@ import math
 import pytest
 
 from gateway.errors import Conflict, InvalidRequest
+from gateway.ledger import bisect
 from gateway.ledger.flows import parse_flow
 
 POISON = {7, 13}
@@ -154,3 +155,53 @@ def test_retry_of_a_running_batch_waits(ledger, make_job):
     ledger.cancel(job_id, "t")
     with pytest.raises(Conflict):
         ledger.retry_quarantined(job_id, ["0.0"], "t")
+
+
+def test_the_lease_and_the_dispatcher_read_the_same_piece(ledger, make_job):
+    job_id = make_job(items=8, max_items=8, **bisect_flow(tolerated=50))
+    lease = ledger.lease(job_id)
+    ledger.fail(job_id, 0, lease.lease_token, "bad", retryable=False)
+    lease = ledger.lease(job_id)
+    assert lease.piece == bisect.selection(ledger.batch_record(job_id, 0)) == [0, 1, 2, 3]
+    ledger.complete(job_id, 0, lease.lease_token, {})
+    lease = ledger.lease(job_id)
+    assert lease.piece == bisect.selection(ledger.batch_record(job_id, 0)) == [4, 5, 6, 7]
+
+
+def test_a_piece_whose_lease_runs_out_runs_again_under_the_same_key(ledger, make_job):
+    job_id = make_job(items=8, max_items=8, **bisect_flow(tolerated=50))
+    lease = ledger.lease(job_id)
+    ledger.fail(job_id, 0, lease.lease_token, "bad", retryable=False)
+    first = ledger.lease(job_id)  # items 0-3: the worker dies with it
+    k = ledger.keys.job(job_id)
+    ledger.r.zadd(k.leases, {"0": 0}, xx=True)
+    assert ledger.expire_due(job_id) == [(0, "retry")]
+    ledger.r.zadd(k.ready(0), {"0": 0}, xx=True)
+    again = ledger.lease(job_id)
+    assert (again.items, again.idempotency_key, again.attempt) == (first.items, first.idempotency_key, 2)
+
+
+def test_retry_failed_continues_a_bisection_that_ran_out_of_attempts(ledger, make_job):
+    job_id = make_job(items=4, max_items=4, stage_defs=[
+        {"name": "score", "on_fatal": "bisect", "retry": {"maximum_attempts": 1}}], tolerated_failure_percentage=100)
+    lease = ledger.lease(job_id)
+    ledger.fail(job_id, 0, lease.lease_token, "bad", retryable=False)  # split
+    lease = ledger.lease(job_id)
+    assert ledger.fail(job_id, 0, lease.lease_token, "flaky", retryable=True)["outcome"] == "failed"
+    assert ledger.job_fields(job_id)["status"] == "succeeded"  # within its budget, batch 0 failed
+    assert ledger.reopen(job_id, "t", only_failed=True) == 1
+    leases = run(ledger, job_id, {1})
+    assert [lease.items for lease in leases] == [[0, 1], [0], [1], [2, 3]]
+    job = ledger.job_fields(job_id)
+    assert job["status"] == "succeeded" and int(job["items_done"]) == 3 and int(job["n_quar"]) == 1
+
+
+def test_a_bisected_stage_before_an_approval_opens_it_when_its_last_piece_is_quarantined(ledger, make_job):
+    job_id = make_job(items=2, max_items=2, tolerated_failure_percentage=100, stage_defs=[
+        {"name": "score", "on_fatal": "bisect"}, {"name": "review", "approval": {"timeout": 60}},
+        {"name": "store"}])
+    leases = run(ledger, job_id, {1})  # [0, 1] fails, [0] passes, [1] is quarantined: the pass is done
+    assert [lease.items for lease in leases] == [[0, 1], [0], [1]]
+    batch = ledger.batch_record(job_id, 0)
+    assert batch["status"] == "waiting_human" and batch["approval"]
+    assert ledger.r.exists(ledger.keys.job(job_id).approval(0, 1, 1))
