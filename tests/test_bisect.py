@@ -205,3 +205,17 @@ def test_a_bisected_stage_before_an_approval_opens_it_when_its_last_piece_is_qua
     batch = ledger.batch_record(job_id, 0)
     assert batch["status"] == "waiting_human" and batch["approval"]
     assert ledger.r.exists(ledger.keys.job(job_id).approval(0, 1, 1))
+
+
+def test_a_rewind_during_a_quarantine_retry_supersedes_it_and_starts_a_clean_quarantine(ledger, make_job):
+    job_id = make_job(items=20, max_items=10, **bisect_flow())
+    run(ledger, job_id, POISON)
+    assert ledger.retry_quarantined(job_id, ["0.7"], "t")["retried"] == 1  # batch 0 open again, below wm
+    ledger.replan(job_id, {"type": "offset", "offset": 0}, "t", "again")
+    assert ledger.batch_record(job_id, 0)["status"] == "superseded"
+    assert ledger.quarantined(job_id) == []  # the old plan's quarantine left with it
+    run(ledger, job_id, POISON)
+    job = ledger.job_fields(job_id)
+    assert job["status"] == "succeeded" and int(job["items_done"]) == 18 and int(job["n_quar"]) == 2
+    assert [e["id"] for e in ledger.quarantined(job_id)] == ["2.7", "3.3"]  # the new plan's seqs
+    assert ledger.retry_quarantined(job_id, ["1.3"], "t")["retried"] == 0  # an old plan's batch

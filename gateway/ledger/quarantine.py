@@ -40,7 +40,8 @@ class QuarantineOps:
         """The job's quarantined items, by batch and index: id, seq, index, item, stage, error."""
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
-        members = self.r.zrange(k.quarantine, 0, limit - 1)
+        base = int(self.job_fields(job_id)["base_seq"])  # a resume by cursor leaves the old plan's behind
+        members = self.r.zrangebyscore(k.quarantine, base, "+inf", start=0, num=limit)
         seqs = sorted({int(m.split(".")[0]) for m in members})
         pipe = self.r.pipeline(transaction=False)
         for seq in seqs:
@@ -60,8 +61,9 @@ class QuarantineOps:
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
         if ids is None:
+            base = int(self.job_fields(job_id)["base_seq"])
             wanted: dict[int, list[int] | None] = {int(m.split(".")[0]): None
-                                                   for m in self.r.zrange(k.quarantine, 0, -1)}
+                                                   for m in self.r.zrangebyscore(k.quarantine, base, "+inf")}
         else:
             wanted = dict(parse_ids(ids))
         retried, busy, status = 0, [], None

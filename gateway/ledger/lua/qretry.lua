@@ -5,7 +5,8 @@
 -- ARGV[1] the item indices to retry (JSON list; '' = every quarantined item of the batch)
 -- ARGV[2] log maxlen   ARGV[3] actor   ARGV[4] S (number of stages)
 -- Returns {'ok', items retried, stage, job status} | {'busy', batch status} (the batch is still running:
---         its quarantined items wait for it to commit) | {'none'} (none of those items is quarantined)
+--         its quarantined items wait for it to commit) | {'none'} (none of those items is quarantined,
+--         or the batch belongs to a plan a resume by cursor replaced)
 --       | {'refused', job status} (cancelled) | {'missing'} | {'corrupt'}
 -- Invariant: the batch re-opens at the earliest stage any of the items was quarantined at, with one
 -- piece per item and 'only' naming them (later stages run those items only); the job's counters move
@@ -23,6 +24,8 @@ if batch == nil then return {'missing'} end
 local bq = json_list(batch['bq'])
 if #bq == 0 then return {'none'} end
 if batch['status'] ~= 'completed' then return {'busy', batch['status']} end
+-- a batch of a plan a rewind left behind (resume by cursor) is not the job's any more
+if tonumber(batch['seq']) < tonumber(job['base_seq']) then return {'none'} end
 local quarantined = {}
 for _, i in ipairs(bq) do quarantined[i] = true end
 local want = bq
