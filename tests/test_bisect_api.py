@@ -78,3 +78,20 @@ def test_pull_halves_then_quarantine_listed_and_retried(api, cli):
 def test_quarantine_of_an_unknown_job_is_404(api):
     assert api.get("/v1/jobs/job_0190c0ffee01a2b3c4d5e6/quarantine").status_code == 404
     assert api.post("/v1/jobs/job_0190c0ffee01a2b3c4d5e6/quarantine/retry", json={}).status_code == 404
+
+
+def test_the_console_lists_quarantined_items_and_retries_one(api):
+    from tests.test_console import csrf_of, signed_in
+
+    assert api.post("/v1/flows", json=FLOW).status_code == 201
+    job_id = api.post("/v1/jobs", json={"flow_id": "pull-bisect"}).json()["job_id"]
+    work(api, job_id, {2, 6})
+    http = signed_in(api.base)
+    page = http.get(f"{api.base}/console/jobs/{job_id}", timeout=10)
+    assert page.status_code == 200 and "Quarantined items" in page.text and "(2 quarantined)" in page.text
+    assert "0.2" in page.text and "item 6 has no text" in page.text
+    resp = http.post(f"{api.base}/console/jobs/{job_id}/retry-quarantined",
+                     data={"csrf": csrf_of(page.text), "item": "0.6"}, timeout=10)
+    assert resp.status_code == 200 and "Quarantined items running again." in resp.text
+    assert [lease["items"] for lease in work(api, job_id, {2})] == [[6]]
+    assert [q["id"] for q in api.get(f"/v1/jobs/{job_id}/quarantine").json()["items"]] == ["0.2"]

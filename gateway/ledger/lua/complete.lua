@@ -11,6 +11,8 @@
 -- index -> gate, lib.lua; '' = none)   ARGV[13] job id   ARGV[14] tenant
 -- A batch whose next stage is an approval stage waits there (status waiting_human) with its approval
 -- opened here, in the same step as the commit (lib.lua advance, open_approval).
+-- A batch that runs in pieces (docs/design.md "Bisection") keeps each piece's output as a part; while
+-- pieces are left it goes back to its stage's ready set and next_stage is this stage.
 -- Returns {'ok', next_stage (-1 = batch committed), job status, attempt, stage[, approval id opened]}
 --       | {'duplicate', stage, attempt}  (the same lease already committed this stage)
 --       | {'stale', status, attempt} | {'cancelled'} | {'corrupt', why?} | {'missing'} | {'invalid', message}
