@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 #: by WAIT. Leases, heartbeats and source failures are left out: losing one on a failover only repeats
 #: work (a lease runs out again), never loses a result.
 COMMITS = frozenset({"plan", "complete", "fail", "expire", "reopen", "replan", "set_status", "cancel",
-                     "begin", "outage", "unwait", "handle", "decide", "open_approval"})
+                     "begin", "outage", "unwait", "handle", "decide", "open_approval", "qretry"})
 
 STATUSES = ("running", "paused", "held", "waiting_human", "succeeded", "failed", "cancelled")
 INDEX_FORMAT = "1"  # bump when the index's members or keys change: the supervisor then rebuilds it
