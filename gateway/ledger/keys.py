@@ -153,6 +153,10 @@ class JobKeys:
     def events(self) -> str:
         return f"{self._base}:events"
 
+    def call(self, call_id: str) -> str:
+        """The first answer of one script call (scripts.observed_source), kept for JOURNAL_MS."""
+        return f"{self._base}:call:{call_id}"
+
     @property
     def plan_lock(self) -> str:
         return f"{self._base}:planlock"
