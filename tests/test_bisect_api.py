@@ -95,3 +95,17 @@ def test_the_console_lists_quarantined_items_and_retries_one(api):
     assert resp.status_code == 200 and "Quarantined items running again." in resp.text
     assert [lease["items"] for lease in work(api, job_id, {2})] == [[6]]
     assert [q["id"] for q in api.get(f"/v1/jobs/{job_id}/quarantine").json()["items"]] == ["0.2"]
+
+
+def test_lease_next_hands_out_the_next_piece_in_the_same_step(api):
+    assert api.post("/v1/flows", json=FLOW).status_code == 201
+    job_id = api.post("/v1/jobs", json={"flow_id": "pull-bisect"}).json()["job_id"]
+    lease = api.post(f"/v1/jobs/{job_id}/lease").json()
+    body = {"lease_token": lease["lease_token"], "error": {"message": "item 0 is bad", "retryable": False}}
+    assert api.post(f"/v1/jobs/{job_id}/batches/0/fail", json=body).json()["outcome"] == "split"
+    lease = api.post(f"/v1/jobs/{job_id}/lease").json()
+    assert lease["item_indices"] == [0, 1, 2, 3]
+    done = api.post(f"/v1/jobs/{job_id}/batches/0/complete",
+                    json={"lease_token": lease["lease_token"], "output": {}, "lease_next": True}).json()
+    assert done["next"]["seq"] == 0 and done["next"]["item_indices"] == [4, 5, 6, 7]
+    assert done["next"]["items"] == [4, 5, 6, 7]
