@@ -219,3 +219,12 @@ def test_a_rewind_during_a_quarantine_retry_supersedes_it_and_starts_a_clean_qua
     assert job["status"] == "succeeded" and int(job["items_done"]) == 18 and int(job["n_quar"]) == 2
     assert [e["id"] for e in ledger.quarantined(job_id)] == ["2.7", "3.3"]  # the new plan's seqs
     assert ledger.retry_quarantined(job_id, ["1.3"], "t")["retried"] == 0  # an old plan's batch
+
+
+def test_a_split_answers_and_logs_the_attempt_that_failed(ledger, make_job):
+    job_id = make_job(items=4, max_items=4, **bisect_flow(tolerated=50))
+    lease = ledger.lease(job_id)
+    assert ledger.fail(job_id, 0, lease.lease_token, "bad", retryable=False) == {
+        "job_id": job_id, "seq": 0, "attempt": 1, "outcome": "split"}
+    entry = [f for _, f in ledger.r.xrange(ledger.keys.job(job_id).log) if f["event"] == "bisected"]
+    assert entry[0]["attempt"] == "1" and entry[0]["items"] == "0,1,2,3"

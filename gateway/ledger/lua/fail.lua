@@ -44,6 +44,7 @@ end
 
 local function bisect_failed(k, job, batch, cap, nstages)
   local now, seq, stage, message = now_ms(), batch['seq'], batch['stage'], ARGV[2]
+  local attempt = batch['attempt']  -- the failed attempt's (the next piece starts again from 0)
   local S = nstages
   local bis = bis_at(batch, stage)
   local pieces = bis and bis.p or {pass_indices(batch)}
@@ -110,9 +111,9 @@ local function bisect_failed(k, job, batch, cap, nstages)
   save(k.batch, batch, bchg)
   save(k.job, job, jchg)
   log(k.log, ARGV[9], {'event', outcome == 'split' and 'bisected' or 'quarantined', 'seq', seq,
-    'stage', stage, 'attempt', batch['attempt'], 'items', piece_label(piece), 'error', message,
+    'stage', stage, 'attempt', attempt, 'items', piece_label(piece), 'error', message,
     'actor', ARGV[12]})
-  return {outcome, batch['attempt'], jchg['status'] or job['status']}
+  return {outcome, attempt, jchg['status'] or job['status']}
 end
 
 use_outbox(KEYS[#KEYS])

@@ -7,7 +7,7 @@
 -- ARGV[5] tolerated failure %   ARGV[6] plan lock holder ('' = never plan: the first stage is not offered)
 -- ARGV[7] plan lock lifetime (ms)   ARGV[8] inline read-ahead: items of src to return from the frontier's
 --         offset (0 = none)   ARGV[9] N   ARGV[10..9+2N] (stage, lease length ms) pairs, latest stage first
--- Returns {'ok', seq, stage, attempt, deadline_ms, start_cursor, end_cursor, items, input, generation,
+-- Returns {'ok', seq, stage, attempt, deadline_ms, start_cursor, end_cursor, items, input, generation
 --         [, piece: JSON list of the item indices to run; absent = all (docs/design.md "Bisection")]}
 --       | {'plan', next_seq, frontier, src length, src items...}  (the caller holds the plan lock now)
 --       | {'planning'} (another caller holds the plan lock: its batches come soon)
