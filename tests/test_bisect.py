@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from gateway.errors import Conflict, InvalidRequest
+from gateway.errors import Conflict, InvalidRequest, StaleLease
 from gateway.ledger import bisect
 from gateway.ledger.flows import parse_flow
 
@@ -228,3 +228,18 @@ def test_a_split_answers_and_logs_the_attempt_that_failed(ledger, make_job):
         "job_id": job_id, "seq": 0, "attempt": 1, "outcome": "split"}
     entry = [f for _, f in ledger.r.xrange(ledger.keys.job(job_id).log) if f["event"] == "bisected"]
     assert entry[0]["attempt"] == "1" and entry[0]["items"] == "0,1,2,3"
+
+
+def test_a_piece_answered_twice_commits_once(ledger, make_job):
+    job_id = make_job(items=4, max_items=4, **bisect_flow(tolerated=50))
+    lease = ledger.lease(job_id)
+    ledger.fail(job_id, 0, lease.lease_token, "bad", retryable=False)
+    piece = ledger.lease(job_id)
+    first = ledger.complete(job_id, 0, piece.lease_token, {"n": 2})
+    again = ledger.complete(job_id, 0, piece.lease_token, {"n": 2})  # the platform's answer, twice
+    assert not first["duplicate"] and again["duplicate"]
+    batch = ledger.batch_record(job_id, 0)
+    assert json.loads(batch["bp:0"]) == ["0,1"] and json.loads(batch["bis"])["p"] == [[2, 3]]
+    with pytest.raises(StaleLease):  # a late fail of the same piece changes nothing either
+        ledger.fail(job_id, 0, piece.lease_token, "late", retryable=False)
+    assert json.loads(ledger.batch_record(job_id, 0)["bis"])["p"] == [[2, 3]]
