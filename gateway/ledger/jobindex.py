@@ -9,8 +9,9 @@ the page cursor at once, newest or oldest first, in O(log N + page) whatever the
 
 House rule (../shared/CONVENTIONS.md, habit 3): the index spans jobs, so no Lua script writes it. It is
 updated by Python, idempotently, right after every ledger script that names a job's record in its KEYS
-(``run``: the script and the reads of the job's status and its filed place go in one round trip; the
-index is written only when the two differ, which is only when the status changed). A write lost between
+(``run``: each script answers whether it moved the job's status; a step's scripts then read nothing
+more unless it did, the others send the reads of the job's status and its filed place in their own
+round trip; the index is written only when the two differ, which is only when the status changed). A write lost between
 the script and the index (a crash, Redis going away) heals three ways: a listing checks each job it
 returns against its record and files it again when it moved (``JobList``); the supervisor checks each
 active job it looks at (``check``: due jobs, and a few per pass round robin); ``rebuild`` regenerates a tenant's index from the roster and the records.

@@ -31,6 +31,7 @@ from gateway.ledger import bisect
 from gateway.ledger import due as due_index
 from gateway.ledger.approvals import ApprovalOps, Approvals, gate_keys, gates_arg
 from gateway.ledger.control import ControlOps
+from gateway.ledger.creations import CreationJournal
 from gateway.ledger.jobindex import Filed, JobIndex
 from gateway.ledger.jobspec import JobSpec, RedisListView
 from gateway.ledger.keys import JobKeys, Keys
@@ -102,6 +103,7 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.index = JobIndex(client, self.keys, self.spec)  # follows every job script's status change
+        self.creations = CreationJournal(self.index, self.cancel)  # cluster: creations cut between slots
         if settings.redis_wait_replicas:  # durable commits: WAIT after each (JobIndex.run)
             self.index.wait = (settings.redis_wait_replicas,
                                int(settings.redis_wait_timeout.total_seconds() * 1000))
@@ -223,6 +225,7 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
             "n_open": "0", "n_done": "0", "n_failed": "0", "items_done": "0", "error": "",
             "src_failures": "0", "src_error": "", "src_retry_ms": "0", "held_reason": "",
         }
+        self.creations.begin(spec.job_id, int(now))  # cluster: the MULTI below is one per slot
         pipe = multi(self.r)
         for start in range(0, len(inline_items or []), 1000):
             pipe.rpush(k.src, *[dumps(i) for i in inline_items[start:start + 1000]])
@@ -238,6 +241,7 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         pipe.sadd(self.keys.active, spec.job_id)
         pipe.zadd(self.keys.due, {spec.job_id: float("inf")})  # watched; nothing due until a lease
         pipe.execute()
+        self.creations.end(spec.job_id)
         log.info("job created job_id=%s flow=%s@%s", spec.job_id, spec.flow.id, spec.flow.version)
 
     # -- pull mode -------------------------------------------------------------------------
