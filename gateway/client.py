@@ -274,6 +274,16 @@ class Client:
     def retry_failed(self, job_id: str) -> dict[str, Any]:
         return self.call("POST", f"/v1/jobs/{_q(job_id)}/retry-failed")
 
+    def quarantine(self, job_id: str) -> dict[str, Any]:
+        """Items bisection quarantined: ``{"count", "items": [{"id", "seq", "index", "item", "error"...}]}``."""
+        return self.call("GET", f"/v1/jobs/{_q(job_id)}/quarantine")
+
+    def retry_quarantined(self, job_id: str, items: list[str] | None = None) -> dict[str, Any]:
+        """Run quarantined items again (ids ``<seq>.<index>``; None = all); the job view, with
+        ``quarantine_retry``."""
+        return self.call("POST", f"/v1/jobs/{_q(job_id)}/quarantine/retry",
+                         None if items is None else {"items": items})
+
     def release(self, job_id: str) -> dict[str, Any]:
         return self.call("POST", f"/v1/jobs/{_q(job_id)}/release")
 

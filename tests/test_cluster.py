@@ -161,6 +161,7 @@ def test_every_ledger_script_run_on_a_job_touches_one_slot(cluster_client, clust
         "open_approval": [k.job, k.batch(0), k.approval(0, 1, 1), k.approvals, k.approvals_due, k.leases,
                           k.ready(1), k.log, k.events],
         "selfcheck": [],
+        "qretry": [k.job, k.batch(0), k.quarantine, k.log, k.audit, k.ready(0), k.ready(1), k.events],
     }
     assert set(OPERATIONS) <= ran | set(static)
     assert [name for name, ks in static.items() if not one_slot(ks)] == []

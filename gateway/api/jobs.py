@@ -1,4 +1,5 @@
-"""Job routes: create (idempotent), list, show, batches, log, pause/resume/cancel/retry-failed."""
+"""Job routes: create (idempotent), list, show, batches, log, pause/resume/cancel/retry-failed,
+quarantined items (list, retry)."""
 
 from __future__ import annotations
 
@@ -162,6 +163,30 @@ def retry_failed(job_id: str):
     return jsonify(retry_failed_job(request_services(), g.tenant, job_id, g.actor))
 
 
+class QuarantineRetryRequest(BaseModel):
+    """Which quarantined items to run again: ids ``<seq>.<index>`` as the listing shows them; none =
+    every quarantined item of the job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[str] | None = Field(default=None, min_length=1, max_length=10_000)
+
+
+@bp.get("/<job_id>/quarantine")
+def quarantine(job_id: str):
+    """Items bisection quarantined: each with its batch, index, the item, stage and the platform's error."""
+    services = request_services()
+    services.jobs.owned_spec(g.tenant, job_id)
+    items = services.ledger.quarantined(job_id)
+    return jsonify({"job_id": job_id, "count": len(items), "items": items})
+
+
+@bp.post("/<job_id>/quarantine/retry")
+def quarantine_retry(job_id: str):
+    req = parse(QuarantineRetryRequest, json_body(required=False), "quarantine retry request")
+    return jsonify(retry_quarantined_job(request_services(), g.tenant, job_id, g.actor, req.items))
+
+
 @bp.post("/<job_id>/migrate")
 def migrate(job_id: str):
     """Move a paused or failed job to another version of its flow; 409 names what is incompatible."""
@@ -199,6 +224,18 @@ def retry_failed_job(services: Services, tenant: str, job_id: str, actor: str) -
     if reopened and services.dispatcher is not None and any(s.target for s in spec.flow.stages):
         services.dispatcher.kick(job_id)
     return {**services.jobs.view(tenant, job_id), "reopened": reopened}
+
+
+def retry_quarantined_job(services: Services, tenant: str, job_id: str, actor: str,
+                          items: list[str] | None) -> dict:
+    spec = services.jobs.owned_spec(tenant, job_id)
+    services.jobs.check_flow_version(spec)
+    result = services.ledger.retry_quarantined(job_id, items, actor)
+    if result["retried"]:
+        request_quotas().track(tenant, job_id)  # a job that had ended is active again
+        if services.dispatcher is not None and any(s.target for s in spec.flow.stages):
+            services.dispatcher.kick(job_id)
+    return {**services.jobs.view(tenant, job_id), "quarantine_retry": result}
 
 
 def migrate_job(services: Services, tenant: str, job_id: str, actor: str, req: MigrateRequest) -> dict:

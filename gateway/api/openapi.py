@@ -161,6 +161,7 @@ VIEW_SCHEMAS: dict[str, Any] = {
         retryable_failed={**INT, "description": "failed batches of a job that succeeded within its failure "
                           "budget: their items were never stored; retry-failed runs them"},
         items_done=INT, items_total=_nullable(INT), progress=_nullable(NUM),
+        items_quarantined={**INT, "description": "items bisection set apart (GET .../quarantine)"},
         rate_items_per_s=NUM, eta_s=_nullable(NUM), source_exhausted=BOOL,
         error=_nullable(STR), held_reason=_nullable(STR), source_error=_nullable(STR),
         waiting=_nullable(_obj(["reason"], reason=STR, target=_nullable(STR), since_ms=_nullable(INT),
@@ -178,6 +179,10 @@ VIEW_SCHEMAS: dict[str, Any] = {
                       items=INT, error=_nullable(STR), error_type=_nullable(STR),
                       attempts_spent=INT, stages=OBJ,
                       approval_id={**STR, "description": "waiting_human: the approval it waits on"},
+                      quarantined_items={"type": "array", "items": INT,
+                                         "description": "indices of the batch's quarantined items"},
+                      bisecting=_obj(["pieces", "extra_calls"], pieces={"type": "array", "items": {
+                          "type": "array", "items": INT}}, extra_calls=INT),
                       lease_deadline_ms=_nullable(INT)),
     "BatchList": _obj(["batches"], batches={"type": "array", "items": _ref("BatchView")}),
     "LogEntries": _obj(["entries"], entries={"type": "array",
@@ -187,6 +192,8 @@ VIEW_SCHEMAS: dict[str, Any] = {
         ["job_id", "seq", "stage", "stage_index", "attempt", "idempotency_key", "lease_token",
          "lease_deadline"],
         job_id=STR, seq=INT, stage=STR, stage_index=INT, attempt=INT, idempotency_key=STR, generation=INT,
+        item_indices={"type": "array", "items": INT,
+                      "description": "bisection: the batch's items this lease runs (absent: all)"},
         cursor={}, end_cursor={}, items=_nullable({"type": "array"}), input={}, params=OBJ,
         lease_token=STR, lease_deadline={**STR, "format": "date-time"}),
     "HeartbeatResult": _obj(["job_id", "seq", "lease_deadline", "job_status"], job_id=STR, seq=INT,
@@ -197,6 +204,12 @@ VIEW_SCHEMAS: dict[str, Any] = {
     "FailResult": _obj(["job_id", "seq", "attempt", "outcome"], job_id=STR, seq=INT, attempt=INT,
                        outcome=STR),
     "CallbackResult": OBJ,
+    "Quarantine": _obj(["job_id", "count", "items"], job_id=STR, count=INT, items={"type": "array", "items": _obj(
+        ["id", "seq", "index", "item", "stage", "error"], id=STR, seq=INT, index=INT, item={},
+        stage=STR, error=STR, error_type=_nullable(STR), quarantined_ms=INT)}),
+    "QuarantineRetried": {"allOf": [_ref("JobView"), _obj(["quarantine_retry"], quarantine_retry=_obj(
+        ["retried", "busy_batches"], retried=INT, busy_batches={"type": "array", "items": INT},
+        job_status=_nullable(STR)))]},
     "Subscription": _obj(["id", "url", "events", "created_ms"], id=STR, url=STR,
                          events={"type": "array", "items": {"enum": list(EVENT_TYPES)}}, created_ms=INT),
     "SubscriptionCreated": {"allOf": [_ref("Subscription"), _obj(
@@ -419,6 +432,11 @@ ROUTES: tuple[Route, ...] = (
           params=(JOB,), tags=("control",)),
     Route("post", "/v1/jobs/{job_id}/retry-failed", "Re-open failed batches",
           {200: ("the job", "JobView")}, CONTROL, params=(JOB,), tags=("control",)),
+    Route("get", "/v1/jobs/{job_id}/quarantine", "Items bisection quarantined, with the platform's error",
+          {200: ("quarantined items", "Quarantine")}, (404, 409), params=(JOB,), tags=("jobs",)),
+    Route("post", "/v1/jobs/{job_id}/quarantine/retry", "Run quarantined items again (some or all)",
+          {200: ("the job", "QuarantineRetried")}, (*BODY, 404, 409), body=jobs.QuarantineRetryRequest,
+          body_required=False, params=(JOB,), tags=("control",)),
     Route("post", "/v1/jobs/{job_id}/lease", "Lease the next ready batch (pull mode)",
           {200: ("a batch", "LeaseEnvelope"),
            204: ("nothing ready; Batchgate-Job-Status says whether to wait or stop", None)},

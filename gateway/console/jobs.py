@@ -21,6 +21,7 @@ from gateway.api.jobs import (
     pause_job,
     resume_job,
     retry_failed_job,
+    retry_quarantined_job,
 )
 from gateway.console.auth import bp, current, services
 from gateway.errors import BatchgateError, InvalidRequest
@@ -39,7 +40,9 @@ FINAL = frozenset({"succeeded", "failed", "cancelled"})
 #: What the page says after an action went through (the redirect names the action, never free text).
 NOTICES = {"pause": "Paused.", "resume": "Resumed.", "cancel": "Cancelled.",
            "retry-failed": "Failed batches re-opened.", "resume-cursor": "Re-planned from the cursor.",
-           "migrate": "Migrated; resume the job to run it on the new version."}
+           "migrate": "Migrated; resume the job to run it on the new version.",
+           "retry-quarantined": "Quarantined items running again."}
+QUARANTINE_SHOWN = 50  # quarantined items the job page lists (the API lists them all)
 
 
 # ---------------------------------------------------------------------------------------------- list
@@ -136,6 +139,7 @@ def _job_context(job_id: str) -> dict[str, Any]:
         if more else None,
         "batches_first": url_for("console.job", job_id=job_id, batches=status) if after >= 0 else None,
         "failed": _failed(job_id, spec) if view["batches"]["failed"] else [],
+        "quarantined": svc.ledger.quarantined(job_id, QUARANTINE_SHOWN) if view["items_quarantined"] else [],
         "log": log, "log_older": _older(job_id, "log_before", log_older),
         "audit": audit, "audit_older": _older(job_id, "audit_before", audit_older),
         "versions": [ver for fid, ver in _flow_versions() if fid == spec.flow.id],
@@ -203,6 +207,9 @@ def _act(action: str, job_id: str) -> None:
         cancel_job(svc, session.tenant, job_id, session.actor, req)
     elif action == "retry-failed":
         retry_failed_job(svc, session.tenant, job_id, session.actor)
+    elif action == "retry-quarantined":
+        item = form.get("item", "").strip()
+        retry_quarantined_job(svc, session.tenant, job_id, session.actor, [item] if item else None)
     elif action == "resume-cursor":
         cursor = strict_loads(form.get("cursor", "").encode())
         req = parse(ResumeRequest, {"cursor": cursor, "reason": form.get("reason", "")}, "resume request")
@@ -213,9 +220,11 @@ def _act(action: str, job_id: str) -> None:
         migrate_job(svc, session.tenant, job_id, session.actor, req)
 
 
-@bp.post("/jobs/<job_id>/<any(pause, resume, cancel, 'retry-failed', 'resume-cursor', migrate):action>")
+@bp.post("/jobs/<job_id>/<any(pause, resume, cancel, 'retry-failed', 'retry-quarantined', 'resume-cursor', "
+         "migrate):action>")
 def job_act(job_id: str, action: str) -> Any:
-    """Pause, resume, cancel, retry-failed, resume-by-cursor, migrate; a refusal shows its problem."""
+    """Pause, resume, cancel, retry-failed, retry-quarantined (one item or all), resume-by-cursor,
+    migrate; a refusal shows its problem."""
     services().jobs.owned_spec(current().tenant, job_id)  # another tenant's job: the 404 page
     try:
         _act(action, job_id)

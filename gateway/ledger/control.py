@@ -131,7 +131,13 @@ class ControlOps:
         def attempt() -> list:
             job = self.job_fields(job_id)
             bound = int(job["next_seq"]) + REPLAN_SLACK
-            seqs = list(range(int(job["wm"]), bound))
+            # batches below the watermark that are open again run a retry of quarantined items
+            # (bisection): the old plan's, so they are superseded with it
+            pipe = self.r.pipeline(transaction=False)
+            for key in (k.leases, *self._ready_keys(spec)):
+                pipe.zrange(key, 0, -1)
+            retrying = {int(s) for found in pipe.execute() for s in found if int(s) < int(job["wm"])}
+            seqs = sorted(retrying) + list(range(int(job["wm"]), bound))
             return self.scripts.replan(
                 keys=[k.job, k.leases, k.failed, k.done, k.log, k.audit, *self._ready_keys(spec),
                       *[key for s in seqs for key in (k.batch(s), k.items(s))]],

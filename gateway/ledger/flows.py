@@ -83,6 +83,7 @@ class RetryPolicy(BaseModel):
     non_retryable_error_types: list[str] = Field(default_factory=list)
 
 
+DEFAULT_BISECT_MAX_CALLS = 32  # about 2 * log2(50) extra calls for each of 2-3 poison items in a batch of 50
 MIN_APPROVAL_TIMEOUT = timedelta(seconds=1)
 MAX_APPROVAL_TIMEOUT = timedelta(days=30)
 
@@ -141,6 +142,15 @@ class Stage(BaseModel):
                     "lease (pull) or the platform call (push) across heartbeats and polls; past it the "
                     "attempt fails with error type max_run, retried only if the stage is idempotent")
 
+    on_fatal: Literal["fail", "bisect"] = Field(
+        default="fail", description="what a non-transient error does to a batch: fail it, or bisect it "
+        "(run it in halves, down to single items, and quarantine the items that fail: docs/design.md "
+        "\"Bisection\")")
+    bisect_max_calls: int = Field(
+        default=DEFAULT_BISECT_MAX_CALLS, ge=2, le=10_000,
+        description="with on_fatal: bisect, the most extra calls bisection makes per batch; past it the "
+                    "failing piece is quarantined whole")
+
     @model_serializer(mode="wrap")
     def _omit_default_max_run(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """``max_run`` at its default is left out of the stored definition, so flows that do not set it
@@ -150,6 +160,10 @@ class Stage(BaseModel):
             data.pop("max_run", None)
         if isinstance(data, dict) and self.approval is None:
             data.pop("approval", None)  # likewise: flows without approvals keep their hash
+        if isinstance(data, dict) and self.on_fatal == "fail":
+            data.pop("on_fatal", None)  # and without bisection
+        if isinstance(data, dict) and self.bisect_max_calls == DEFAULT_BISECT_MAX_CALLS:
+            data.pop("bisect_max_calls", None)
         return data
 
     @field_validator("target")
@@ -170,6 +184,13 @@ class Stage(BaseModel):
     def _approval_has_no_target(self) -> Stage:
         if self.approval is not None and (self.target is not None or self.fetches):
             raise ValueError("an approval stage has no target and does not fetch")
+        return self
+
+    @model_validator(mode="after")
+    def _bisects_items(self) -> Stage:
+        if self.on_fatal == "bisect" and (self.fetches or self.approval is not None):
+            raise ValueError("on_fatal: bisect needs a stage that runs the batch's items (not a fetching "
+                             "or an approval stage)")
         return self
 
     @model_validator(mode="after")

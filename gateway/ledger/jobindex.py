@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 #: by WAIT. Leases, heartbeats and source failures are left out: losing one on a failover only repeats
 #: work (a lease runs out again), never loses a result.
 COMMITS = frozenset({"plan", "complete", "complete_lease", "fail", "expire", "reopen", "replan", "set_status", "cancel",
-                     "begin", "outage", "unwait", "handle", "decide", "open_approval"})
+                     "begin", "outage", "unwait", "handle", "decide", "open_approval", "qretry"})
 
 #: The scripts of every step (a lease and its commit or failure): their runs skip the read-back of the
 #: job's status unless they moved it (JobIndex.run). None of them can bring a job's due time earlier

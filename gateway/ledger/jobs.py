@@ -19,6 +19,7 @@ from gateway.ledger.ledger import ABSENT, Ledger
 from gateway.ledger.migrate import migrate, settle
 from gateway.ledger.planner import check_batch_bound
 from gateway.ledger.progress import progress_of
+from gateway.ledger import bisect
 from gateway.ledger.records import loads_or_none
 
 BATCH_STATUSES = ("pending", "leased", "waiting_human", "completed", "failed", "superseded")
@@ -148,6 +149,8 @@ class JobService:
             # succeeded within its failure budget, with batches whose items were never stored
             "retryable_failed": int(job["n_failed"]) if job["status"] == "succeeded" else 0,
             "items_done": done,
+            # items bisection set apart (GET /v1/jobs/<id>/quarantine); they count against the budget
+            "items_quarantined": int(job.get("n_quar") or 0),
             "items_planned": int(job.get("items_planned") or 0),
             "items_total": total,
             "progress": None if not total else round(position / total, 4),
@@ -278,6 +281,7 @@ def batch_view(spec: JobSpec, fields: dict[str, str], full: bool) -> dict[str, A
     }
     if fields.get("approval"):  # waiting for a person: GET /v1/approvals/<id>
         view["approval_id"] = fields["approval"]
+    view |= bisect.batch_fields(fields)  # run in pieces, quarantined items (bisection)
     if full:
         view["stages"] = {
             name: {"status": fields.get(f"st:{i}", "pending"),

@@ -75,14 +75,15 @@ class JobSpec:
                 return i
         return None
 
-    def stage_key(self, seq: int, stage: str, cursor: Any, end_cursor: Any) -> str:
+    def stage_key(self, seq: int, stage: str, cursor: Any, end_cursor: Any, suffix: str = "") -> str:
         """The idempotency key of one batch stage: the same on every attempt and, for the same item
         range (start and end cursor), across re-plans (a rewind), so a store flow that deduplicates by it
-        never stores an item range twice. The rewind's ``generation`` travels beside it."""
+        never stores an item range twice. The rewind's ``generation`` travels beside it. ``suffix``
+        names a piece of the batch (bisect.key_suffix), so a piece's key is stable per item range too."""
         if self.key_scheme != "range":
-            return idempotency_key(self.job_id, seq, stage)
+            return idempotency_key(self.job_id, seq, stage) + suffix
         digest = hashlib.sha256(dumps([cursor, end_cursor]).encode()).hexdigest()[:24]
-        return f"{self.job_id}:{stage}:r{digest}"
+        return f"{self.job_id}:{stage}:r{digest}{suffix}"
 
     def to_fields(self) -> dict[str, str]:
         return {

@@ -20,6 +20,8 @@ Per job (owner: the ledger scripts; expiry: retention, see ``Ledger.apply_retent
 ``<p>:{<job>}:leases``         zset    leased batches; score = lease deadline (ms)
 ``<p>:{<job>}:done``           hash    seq -> end cursor of completed batches above the watermark
 ``<p>:{<job>}:failed``         zset    permanently failed batches; score = seq
+``<p>:{<job>}:quarantine``     zset    quarantined items ``<seq>.<index>``; score = seq (fail.lua,
+                                       qretry.lua; the error is in the batch record: Bisection)
 ``<p>:{<job>}:log``            stream  execution log, capped (``log_maxlen``)
 ``<p>:{<job>}:audit``          stream  control events (created, paused, cursor moved, ...), never capped
 ``<p>:{<job>}:events``         stream  outbox of the job's webhook events (job.succeeded, ...), appended
@@ -177,6 +179,10 @@ class JobKeys:
     @property
     def approvals_due(self) -> str:
         return f"{self._base}:approvals:due"
+
+    @property
+    def quarantine(self) -> str:
+        return f"{self._base}:quarantine"
 
     def approval(self, seq: int, stage: int, round_: int) -> str:
         return f"{self._base}:approval:{seq}.{stage}.{round_}"

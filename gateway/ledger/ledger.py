@@ -27,6 +27,7 @@ from gateway.errors import (
     SourceUnavailable,
     StaleLease,
 )
+from gateway.ledger import bisect
 from gateway.ledger import due as due_index
 from gateway.ledger.approvals import ApprovalOps, Approvals, gate_keys, gates_arg
 from gateway.ledger.control import ControlOps
@@ -36,6 +37,7 @@ from gateway.ledger.jobspec import JobSpec, RedisListView
 from gateway.ledger.keys import JobKeys, Keys
 from gateway.ledger.multi import multi
 from gateway.ledger.planner import batches_per_plan, cut_batches
+from gateway.ledger.quarantine import QuarantineOps
 from gateway.ledger.records import digest, dumps, intact, loads_or_none, seal
 from gateway.ledger.scripts import Scripts
 from gateway.settings import Settings
@@ -67,6 +69,7 @@ class Lease:
     lease_deadline_ms: int
     idempotency_key: str  # JobSpec.stage_key: stable per item range across attempts and re-plans
     generation: int = 0  # how many times the job was re-planned from a cursor before this batch
+    piece: list[int] | None = None  # the batch's item indices this lease runs (bisection); None = all
 
     def envelope(self) -> dict[str, Any]:
         """The public, stable JSON envelope (README: pull mode)."""
@@ -85,14 +88,14 @@ class Lease:
             "params": self.params,
             "lease_token": self.lease_token,
             "lease_deadline": _iso(self.lease_deadline_ms),
-        }
+        } | ({} if self.piece is None else {"item_indices": self.piece})
 
 
 def _iso(ms: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}Z"
 
 
-class Ledger(ControlOps, ApprovalOps):
+class Ledger(ControlOps, ApprovalOps, QuarantineOps):
     """Operations on jobs and batches; one instance per Redis client."""
 
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
@@ -281,9 +284,9 @@ class Ledger(ControlOps, ApprovalOps):
                     res = self.scripts.lease(keys=keys, args=args)
             tag = res[0]
             if tag == "ok":
-                _, seq, idx, attempt, deadline, start, end, items, prev, gen = res
+                _, seq, idx, attempt, deadline, start, end, items, prev, gen = res[:10]
                 return self._lease_from(spec, int(idx), token, int(seq), attempt, deadline, start, end,
-                                        items, prev, gen)
+                                        items, prev, gen, res[10] if len(res) > 10 else "")
             if tag in ("none", "busy", "status"):
                 return None
             if tag == "corrupt":
@@ -443,13 +446,16 @@ class Ledger(ControlOps, ApprovalOps):
 
     @staticmethod
     def _lease_from(spec: JobSpec, idx: int, token: str, seq: int, attempt: Any, deadline: Any, start: str,
-                    end: str, items: str, prev: str, gen: str) -> Lease:
+                    end: str, items: str, prev: str, gen: str, piece: str = "") -> Lease:
         name, cursor, end_cursor = spec.flow.stages[idx].name, loads_or_none(start), loads_or_none(end)
+        indices = loads_or_none(piece) if piece else None  # a piece of the batch (bisection)
+        run_items, run_input = bisect.cut(indices, loads_or_none(items), loads_or_none(prev))
         return Lease(job_id=spec.job_id, seq=seq, stage=name, stage_index=idx,
                      attempt=int(attempt), cursor=cursor, end_cursor=end_cursor,
-                     items=loads_or_none(items), input=loads_or_none(prev), params=spec.params,
+                     items=run_items, input=run_input, params=spec.params,
                      lease_token=token, lease_deadline_ms=int(deadline),
-                     idempotency_key=spec.stage_key(seq, name, cursor, end_cursor), generation=int(gen or 0))
+                     idempotency_key=spec.stage_key(seq, name, cursor, end_cursor, bisect.key_suffix(indices)),
+                     generation=int(gen or 0), piece=indices)
 
     def heartbeat(self, job_id: str, seq: int, token: str, progress: Any = ABSENT,
                   extend_ms: int | None = None, actor: str = "worker") -> dict[str, Any]:
@@ -561,14 +567,22 @@ class Ledger(ControlOps, ApprovalOps):
         policy = stage.retry
         if error_type and error_type in policy.non_retryable_error_types:
             retryable = False
+        ready = self._ready_keys(spec)
+        # bisection: an on_fatal: bisect stage's non-transient error, never one where the flow may have run
+        cap = (stage.bisect_max_calls if stage.on_fatal == "bisect" and not retryable
+               and error_type not in bisect.NEVER_BISECT else 0)
         res = self.scripts.fail(
-            keys=[k.job, k.batch(seq), k.leases, k.failed, k.log,
-                  *self._ready_keys(spec), k.events],
+            keys=[k.job, k.batch(seq), k.leases, k.failed, k.log, *ready,
+                  k.quarantine, k.done, k.items(seq), k.approvals, k.approvals_due,
+                  *gate_keys(self, spec, seq), k.events],
             args=[token, message[:2000], "1" if retryable else "0", *self._policy_args(policy),
                   self.settings.log_maxlen, spec.budget_total,
                   spec.flow.tolerated_failure_percentage, actor,
-                  int(min_delay.total_seconds() * 1000) if min_delay else 0, error_type or ""])
+                  int(min_delay.total_seconds() * 1000) if min_delay else 0, error_type or "",
+                  cap, spec.stage_count, gates_arg(spec, 11 + len(ready)), job_id, spec.tenant])
         self._raise_for(res, job_id, seq)
+        if res[0] in ("split", "quarantined"):
+            log.info("batch bisected job_id=%s seq=%s attempt=%s outcome=%s", job_id, seq, res[1], res[0])
         counter = {"retry": metrics.BATCHES_RETRIED, "failed": metrics.BATCHES_FAILED}.get(res[0])
         if counter is not None:
             counter.labels(stage.name, metrics.error_class(error_type, retryable)).inc()

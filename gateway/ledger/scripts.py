@@ -16,7 +16,7 @@ from gateway import tracing
 OPERATIONS = (
     "plan", "lease", "heartbeat", "complete", "fail", "expire", "reopen", "replan", "set_status", "selfcheck",
     "slot", "cancel", "begin", "source_fail", "breaker", "outage", "unwait", "handle", "decide",
-    "open_approval",
+    "open_approval", "qretry",
 )
 #: Two operations run as one script, the second only when the first succeeded (pair_source): a pull
 #: step's commit and the next lease in one round trip (Ledger.complete_and_lease).
@@ -265,6 +265,7 @@ class Scripts:
     handle: Script
     decide: Script
     open_approval: Script
+    qretry: Script
     complete_lease: Script
 
     @classmethod

@@ -53,6 +53,7 @@ from connectors.base import (
 )
 from gateway import metrics, tracing
 from gateway.errors import BatchgateError, JobCancelled, NotFound, RunTooLong, StaleLease
+from gateway.ledger import bisect
 from gateway.ledger.embedded import client_for, queue_client_for
 from gateway.ledger.flows import Stage
 from gateway.ledger.jobspec import JobSpec
@@ -420,7 +421,8 @@ class Dispatcher:
     def _call_for(self, spec: JobSpec, stage: Stage, lease: Lease) -> StageCall:
         """The StageCall for a fresh lease (its items, cursor and input came with the lease)."""
         batch = {"start_cursor": dumps(lease.cursor), "end_cursor": dumps(lease.end_cursor),
-                 "gen": str(lease.generation), f"out:{lease.stage_index - 1}": dumps(lease.input)}
+                 "gen": str(lease.generation), f"out:{lease.stage_index - 1}": dumps(lease.input),
+                 "piece": "" if lease.piece is None else dumps(lease.piece)}  # bisection: already cut
         return self._stage_call(spec, stage, batch, lease.seq, lease.stage_index, lease.attempt,
                                 lease.lease_token, items=lease.items, called_s=time.time())
 
@@ -434,6 +436,9 @@ class Dispatcher:
         if batch.get("status") != "leased" or batch.get("lease_token") != token:
             return None
         items = loads_or_none(self.ledger.r.get(self.ledger.keys.job(spec.job_id).items(seq)))
+        piece = bisect.selection(batch)  # a piece of the batch (bisection): its items and input only
+        items, prev = bisect.cut(piece, items, loads_or_none(batch.get(f"out:{stage_idx - 1}")))
+        batch = {**batch, f"out:{stage_idx - 1}": dumps(prev), "piece": "" if piece is None else dumps(piece)}
         called_s = int(batch["called_ms"]) / 1000 if batch.get("called_ms") else time.time()
         return self._stage_call(spec, stage, batch, seq, stage_idx, attempt, token, items=items,
                                 called_s=called_s)
@@ -466,12 +471,14 @@ class Dispatcher:
         env: dict[str, Any] = {
             "job_id": spec.job_id, "seq": seq, "stage": stage.name, "attempt": attempt,
             "idempotency_key": spec.stage_key(seq, stage.name, loads_or_none(batch.get("start_cursor")),
-                                              loads_or_none(batch.get("end_cursor"))),
+                                              loads_or_none(batch.get("end_cursor")),
+                                              bisect.key_suffix(loads_or_none(batch.get("piece") or None))),
             "generation": int(batch.get("gen") or 0),
             "cursor": loads_or_none(batch.get("start_cursor")),
             "input": loads_or_none(batch.get(f"out:{stage_idx - 1}")), "params": spec.params,
         }
-        if items is not None and len(dumps(items).encode()) > self.settings.inline_max_bytes:
+        if (items is not None and not batch.get("piece")  # a piece's items travel inline (the blob is the batch's)
+                and len(dumps(items).encode()) > self.settings.inline_max_bytes):
             blob = sign({"j": spec.job_id, "s": seq}, key, "blob", ttl_s)
             env["items"], env["items_url"] = None, f"{base}/v1/blobs/{blob}"
         else:

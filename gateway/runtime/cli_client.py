@@ -282,6 +282,31 @@ _action("retry-failed", "Re-open failed batches (a failed job runs again).", Cli
 _action("release", "Let a held job (record-only recovery) run again.", Client.release)
 
 
+@http_command(jobs, "quarantine")
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="the listing as JSON, items included")
+def jobs_quarantine(client: Client, job_id: str, as_json: bool) -> int:
+    """Items bisection set apart (stages with on_fatal: bisect): id, stage, the platform's error."""
+    listing = client.quarantine(job_id)
+    if as_json:
+        print_json(listing)
+        return 0
+    if not listing["items"]:
+        click.echo("no quarantined items", err=True)
+    for q in listing["items"]:
+        click.echo(f"{q['id']:<12} stage {q['stage']:<12} {q.get('error_type') or ''} {q['error']}".rstrip())
+    return 0
+
+
+@http_command(jobs, "retry-quarantined")
+@click.argument("job_id")
+@click.argument("item_ids", nargs=-1, metavar="[ITEM_ID]...")
+def jobs_retry_quarantined(client: Client, job_id: str, item_ids: tuple[str, ...]) -> int:
+    """Run quarantined items again (ids as `jobs quarantine` lists them, <seq>.<index>; none: all)."""
+    print_json(client.retry_quarantined(job_id, list(item_ids) or None))
+    return 0
+
+
 @http_command(jobs, "cancel")
 @click.argument("job_id")
 @click.option("--reason", default=None, help="kept in the audit trail")

@@ -11,6 +11,8 @@
 -- index -> gate, lib.lua; '' = none)   ARGV[13] job id   ARGV[14] tenant
 -- A batch whose next stage is an approval stage waits there (status waiting_human) with its approval
 -- opened here, in the same step as the commit (lib.lua advance, open_approval).
+-- A batch that runs in pieces (docs/design.md "Bisection") keeps each piece's output as a part; while
+-- pieces are left it goes back to its stage's ready set and next_stage is this stage.
 -- Returns {'ok', next_stage (-1 = batch committed), job status, attempt, stage[, approval id opened]}
 --       | {'duplicate', stage, attempt}  (the same lease already committed this stage)
 --       | {'stale', status, attempt} | {'cancelled'} | {'corrupt', why?} | {'missing'} | {'invalid', message}
@@ -72,6 +74,27 @@ if sets_cursor then
     jchg['blocked'] = ''
     if ARGV[3] == 'null' then jchg['exhausted'] = '1' else jchg['frontier'] = ARGV[3] end
   end
+end
+-- Bisection (docs/design.md "Bisection"): a piece of the batch, or the items of a pass that left some
+-- quarantined, answered; its output is kept as a part, the next piece is leased afresh, and once none is
+-- left the stage's output is the parts together
+local piece = selection(batch, stage)
+if piece then
+  bchg['out:' .. stage] = nil
+  add_part(batch, bchg, stage, piece, ARGV[2])
+  local bis = bis_at(batch, stage)
+  if bis and #bis.p > 1 then
+    table.remove(bis.p, 1)
+    next_piece(batch, bchg, stage, bis, now)
+    redis.call('ZREM', KEYS[4], seq)
+    redis.call('ZADD', KEYS[7 + stage], now, seq)
+    save(KEYS[2], batch, bchg)
+    log(KEYS[6], ARGV[7], {'event', 'piece_completed', 'seq', seq, 'stage', int(stage),
+      'attempt', attempt, 'items', piece_label(piece)})
+    return {'ok', int(stage), redis.call('HGET', KEYS[1], 'status') or 'missing', attempt, int(stage)}
+  end
+  if bis then bchg['bis'] = '' end
+  bchg['out:' .. stage] = merged_output(batch, bchg, stage)
 end
 local S = nstages
 local k = {job = KEYS[1], batch = KEYS[2], items = KEYS[3], leases = KEYS[4], done = KEYS[5],

@@ -7,7 +7,8 @@
 -- ARGV[5] tolerated failure %   ARGV[6] plan lock holder ('' = never plan: the first stage is not offered)
 -- ARGV[7] plan lock lifetime (ms)   ARGV[8] inline read-ahead: items of src to return from the frontier's
 --         offset (0 = none)   ARGV[9] N   ARGV[10..9+2N] (stage, lease length ms) pairs, latest stage first
--- Returns {'ok', seq, stage, attempt, deadline_ms, start_cursor, end_cursor, items, input, generation}
+-- Returns {'ok', seq, stage, attempt, deadline_ms, start_cursor, end_cursor, items, input, generation
+--         [, piece: JSON list of the item indices to run; absent = all (docs/design.md "Bisection")]}
 --       | {'plan', next_seq, frontier, src length, src items...}  (the caller holds the plan lock now)
 --       | {'planning'} (another caller holds the plan lock: its batches come soon)
 --       | {'source_wait', retry_at_ms, error} (the source failed; not before retry_at)
@@ -68,8 +69,11 @@ for s = 1, nstages do
         log(KEYS[3], ARGV[3], {'event', 'stage_started', 'seq', seq, 'stage', stage, 'attempt', int(attempt)})
         local items = redis.call('GET', base .. ':items:' .. seq) or ''
         local input = batch['out:' .. (tonumber(stage) - 1)] or ''
-        return {'ok', seq, stage, int(attempt), int(deadline), batch['start_cursor'], batch['end_cursor'],
-          items, input, batch['gen'] or '0'}
+        local reply = {'ok', seq, stage, int(attempt), int(deadline), batch['start_cursor'],
+          batch['end_cursor'], items, input, batch['gen'] or '0'}
+        local piece = selection(batch, stage)  -- Bisection: the items this lease runs
+        if piece then reply[11] = encode_list(piece) end
+        return reply
       end
     end
   end

@@ -226,6 +226,15 @@ local function over_budget(job, budget_total, tolerated_pct)
   return tonumber(job['n_failed']) * 100 > tolerated_pct * total
 end
 
+-- Whether quarantined items are more than the failure budget allows: quarantined items count against
+-- tolerated_pct as a share of the items planned so far (failed batches count as batches, over_budget).
+local function items_over_budget(job, changes, tolerated_pct)
+  local quar = tonumber(changes['n_quar'] or job['n_quar'] or '0')
+  if quar == 0 then return false end
+  local planned = tonumber(changes['items_planned'] or job['items_planned'] or '0')
+  return quar * 100 > tolerated_pct * math.max(planned, 1)
+end
+
 -- Decide a running job's end once its source is exhausted and no batch is open.
 local function finish_changes(job, changes, now, budget_total, tolerated_pct)
   local status = changes['status'] or job['status']
@@ -236,7 +245,8 @@ local function finish_changes(job, changes, now, budget_total, tolerated_pct)
   if exhausted and blocked == '' and open == 0 then
     local failed = tonumber(changes['n_failed'] or job['n_failed'])
     local merged = {next_seq = job['next_seq'], base_seq = job['base_seq'], n_failed = failed}
-    if failed > 0 and over_budget(merged, budget_total, tolerated_pct) then
+    if (failed > 0 and over_budget(merged, budget_total, tolerated_pct))
+        or items_over_budget(job, changes, tolerated_pct) then  -- quarantined items (Bisection)
       changes['status'] = 'failed'
       changes['error'] = 'failure budget exceeded'
     else
@@ -364,6 +374,107 @@ local function max_run_message(max_run_ms)
   return 'ran past max_run (' .. string.format('%g', max_run_ms / 1000) .. ' s)'
 end
 
+-- Bisection (docs/design.md "Bisection"). A stage with on_fatal: bisect runs a batch that failed with a
+-- non-transient error in pieces: lists of the batch's item indices. Batch fields, all absent until
+-- used: 'bis' = JSON {s = stage, p = pending pieces, the first one is the one leased}; 'bx' = extra
+-- calls spent on pieces; 'bq' = JSON list of quarantined item indices, each with 'qe:<i>' (the error),
+-- 'qt:<i>' (error type), 'qs:<i>' (stage), 'qa:<i>' (when); 'only' = JSON list of the indices a
+-- retry of quarantined items runs; 'bp:<stage>' = JSON list of the piece labels committed at that
+-- stage, each piece's output in 'bo:<stage>:<label>'; 'n_good' = items counted in the job's items_done.
+-- A piece's label is its indices joined by ','; the job counts quarantined items in 'n_quar'.
+
+local function json_list(text)
+  if text == nil or text == '' then return {} end
+  return cjson.decode(text)
+end
+
+-- cjson encodes an empty table as {}: pieces and index lists are lists
+local function encode_list(list)
+  if #list == 0 then return '[]' end
+  return cjson.encode(list)
+end
+
+-- The bisection state of ``batch`` at ``stage``, or nil when it does not run in pieces there.
+local function bis_at(batch, stage)
+  if (batch['bis'] or '') == '' then return nil end
+  local bis = cjson.decode(batch['bis'])
+  if tonumber(bis.s) ~= tonumber(stage) then return nil end
+  return bis
+end
+
+-- The indices this pass runs: the retry's 'only' list, else every item not quarantined.
+local function pass_indices(batch)
+  if (batch['only'] or '') ~= '' then return json_list(batch['only']) end
+  local out, q = {}, {}
+  for _, i in ipairs(json_list(batch['bq'])) do q[i] = true end
+  for i = 0, tonumber(batch['n_items']) - 1 do
+    if not q[i] then out[#out + 1] = i end
+  end
+  return out
+end
+
+-- The indices the lease of ``batch`` at ``stage`` hands out (the Python twin is bisect.selection), or
+-- nil for the whole batch (no bisection, no quarantine, no retry: the path every other batch takes).
+local function selection(batch, stage)
+  local bis = bis_at(batch, stage)
+  if bis then return bis.p[1] end
+  if (batch['only'] or '') == '' and (batch['bq'] or '') == '' then return nil end
+  return pass_indices(batch)
+end
+
+local function piece_label(piece)
+  return table.concat(piece, ',')
+end
+
+-- Record ``output`` (raw JSON) as the part of stage ``stage`` that ran ``piece``, into bchg.
+local function add_part(batch, bchg, stage, piece, output)
+  local label = piece_label(piece)
+  local labels = json_list(bchg['bp:' .. stage] or batch['bp:' .. stage])
+  labels[#labels + 1] = label
+  bchg['bp:' .. stage] = cjson.encode(labels)
+  bchg['bo:' .. stage .. ':' .. label] = output
+end
+
+-- The stage's output once every piece ran: {"parts": [{"items": [indices], "output": <as answered>}]}
+-- (built by concatenation: outputs are never decoded and re-encoded).
+local function merged_output(batch, bchg, stage)
+  local parts = {}
+  for _, label in ipairs(json_list(bchg['bp:' .. stage] or batch['bp:' .. stage])) do
+    local raw = bchg['bo:' .. stage .. ':' .. label] or batch['bo:' .. stage .. ':' .. label]
+    parts[#parts + 1] = '{"items":[' .. label .. '],"output":' .. raw .. '}'
+  end
+  return '{"parts":[' .. table.concat(parts, ',') .. ']}'
+end
+
+-- The next piece is leased afresh (its own attempts) at the same stage: batch changes into bchg. A
+-- platform run an earlier piece started (handle.lua) is forgotten: it is not this piece's run.
+local function next_piece(batch, bchg, stage, bis, now)
+  if (batch['handle'] or '') ~= '' then
+    bchg['handle'] = ''
+    bchg['handle_stage'] = ''
+  end
+  bchg['bis'] = cjson.encode({s = tonumber(stage), p = bis.p})
+  bchg['status'] = 'pending'
+  bchg['attempt'] = '0'
+  bchg['unspent'] = '0'
+  bchg['lease_token'] = ''
+  bchg['deadline_ms'] = ''
+  bchg['ready_ms'] = int(now)
+  bchg['st:' .. stage] = 'pending'
+end
+
+-- Items of a batch to count as done when it commits (n_items, less the quarantined ones), as a change
+-- of items_done: a batch re-committed after a retry of quarantined items adds only those that passed.
+local function items_done_delta(batch, bchg)
+  local n_items = tonumber(bchg['n_items'] or batch['n_items'])
+  local bq = bchg['bq'] or batch['bq'] or ''
+  if bq == '' and batch['n_good'] == nil then return n_items end
+  local good = n_items - #json_list(bq)
+  bchg['n_good'] = int(good)
+  return good - tonumber(batch['n_good'] or '0')
+end
+
+
 -- Approvals (docs/design.md "Approvals"). A gate is an approval stage's settings as the caller passes
 -- them (JSON): {t = timeout ms, o = on_timeout, a = approvers (JSON list, '' = anyone), s = index of
 -- the stage whose output is shown ('' = none), n = stage name, k = KEYS index of the record key of
@@ -437,7 +548,7 @@ local function advance(k, job, batch, bchg, jchg, p)
   end
   bchg['status'] = 'completed'
   bchg['completed_ms'] = int(p.now)
-  local n_items = tonumber(bchg['n_items'] or batch['n_items'])
+  local n_items = items_done_delta(batch, bchg)  -- less quarantined items (Bisection)
   jchg['n_done'] = int(tonumber(job['n_done']) + 1)
   jchg['n_open'] = int(tonumber(job['n_open']) - 1)
   jchg['items_done'] = int(tonumber(job['items_done']) + n_items)
@@ -464,8 +575,9 @@ local function advance(k, job, batch, bchg, jchg, p)
   if bad then
     return -1, nil, refuse_corrupt(k.job, k.log, p.maxlen, bad .. ' would go negative committing batch ' .. seq)
   end
+  local keep_items = (bchg['bq'] or batch['bq'] or '') ~= ''  -- a retry of quarantined items reads them
   return -1, function()
-    redis.call('DEL', k.items)
+    if not keep_items then redis.call('DEL', k.items) end
     if #swept > 0 then redis.call('HDEL', k.done, unpack(swept)) end
     if parked then redis.call('HSET', k.done, seq, parked) end
   end, nil

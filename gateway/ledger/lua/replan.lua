@@ -44,6 +44,7 @@ local base = job['next_seq']
 save(KEYS[1], job, {status = 'running', base_seq = base, wm = base, committed_cursor = ARGV[2],
   frontier = ARGV[2], plan_cursor = ARGV[2], exhausted = '0', blocked = '', n_open = '0', n_done = '0',
   n_failed = '0', items_done = '0', items_planned = '0', n_waiting = '0', src_failures = '0', src_error = '',
+  n_quar = '0',  -- the old plan's quarantined items leave the view and the budget (Bisection)
   src_retry_ms = '0',
   updated_ms = int(now), finished_ms = '', error = '', held_reason = '',
   gen = int(tonumber(job['gen'] or '0') + 1)})
