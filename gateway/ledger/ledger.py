@@ -233,6 +233,8 @@ class Ledger(ControlOps, ApprovalOps):
         self.index.file(pipe, spec.tenant, spec.job_id,
                         Filed("running", spec.flow.id, spec.flow.version, int(now)))
         pipe.sadd(self.keys.active, spec.job_id)
+        if spec.sink:  # results.py: the sink deliverer follows it
+            pipe.sadd(self.keys.sink_jobs, spec.job_id)
         pipe.zadd(self.keys.due, {spec.job_id: float("inf")})  # watched; nothing due until a lease
         pipe.execute()
         log.info("job created job_id=%s flow=%s@%s", spec.job_id, spec.flow.id, spec.flow.version)
@@ -605,12 +607,13 @@ class Ledger(ControlOps, ApprovalOps):
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
         planned = int(self.job_fields(job_id)["next_seq"])
+        compacted = int(self.r.hget(k.sink, "seq") or 0)  # records below it are range summaries now
         approvals = self.r.zrange(k.approvals, 0, -1)
         return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.audit, k.events,
-                k.approvals, k.approvals_due,
+                k.approvals, k.approvals_due, k.sink,
                 *[k.approval(*(int(x) for x in a.split(".")[-3:])) for a in approvals],
                 *self._ready_keys(spec),
-                *[key for s in range(planned) for key in (k.batch(s), k.items(s))]]
+                *[key for s in range(compacted, planned) for key in (k.batch(s), k.items(s))]]
 
     def expire_job(self, job_id: str, retention: timedelta) -> None:
         """Let every key of a finished job expire after ``retention`` (never for failed jobs)."""
@@ -628,6 +631,7 @@ class Ledger(ControlOps, ApprovalOps):
         pipe.execute()
         pipe = self.r.pipeline(transaction=False)
         pipe.sadd(self.keys.active, job_id)
+        pipe.sadd(self.keys.sink_jobs, job_id)  # a job without a sink is dropped by the deliverer
         pipe.zadd(self.keys.due, {job_id: int(time.time() * 1000)}, lt=True)  # look at it next pass
         pipe.execute()
 

@@ -15,6 +15,7 @@ OPERATIONS = (
     "plan", "lease", "heartbeat", "complete", "fail", "expire", "reopen", "replan", "set_status", "selfcheck",
     "slot", "cancel", "begin", "source_fail", "breaker", "outage", "unwait", "handle", "decide",
     "open_approval",
+    "compact",  # result sinks (docs/design.md "Result sinks and compaction")
 )
 
 
@@ -76,6 +77,7 @@ class Scripts:
     handle: Script
     decide: Script
     open_approval: Script
+    compact: Script
 
     @classmethod
     def register(cls, client: redis.Redis, observer: Observer | None = None) -> Scripts:

@@ -1,0 +1,327 @@
+"""Result sinks and compaction (docs/design.md "Result sinks and compaction"): committed outputs leave
+Redis for a file or an HTTP endpoint, exactly once in a file, at least once with stable ids over HTTP,
+and delivered batch records below the watermark fold into range summaries that every reader serves."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from werkzeug.serving import make_server
+from werkzeug.wrappers import Request, Response
+
+from gateway.errors import InvalidRequest
+from gateway.ledger.embedded import EmbeddedRedis, client_for
+from gateway.ledger.flows import parse_flow
+from gateway.ledger.jobs import JobRequest, JobService
+from gateway.ledger.ledger import Ledger
+from gateway.ledger.results import compact_keys
+from gateway.push.sinks import SinkDeliverer
+from gateway.settings import Settings
+from tests.conftest import TOKEN, drain
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def settings(redis_server, tmp_path):
+    (tmp_path / "out").mkdir()
+    return Settings(redis_url=redis_server.url, data_dir=tmp_path / "data", tokens={TOKEN: "acme"},
+                    sink_roots={"*": [str(tmp_path / "out")]}, outbound_allow=["127.0.0.1"],
+                    sink_chunk=4, sink_timeout=0.5)
+
+
+def new_job(jobs, registry, sink, items=30, max_items=3, stages=("score", "store"), name="f1"):
+    flow = parse_flow({"id": name, "version": "1", "stages": [{"name": s} for s in stages],
+                       "batching": {"max_items": max_items}, "concurrency": 100,
+                       "source": {"type": "sequence", "count": items}})
+    registry.register("acme", flow)
+    return jobs.create("acme", JobRequest(flow_id=name, sink=sink))["job_id"]
+
+
+def output(lease):
+    return {"stage": lease.stage, "first": lease.items[0]}
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def job_memory(r, job_id: str) -> dict[str, int]:
+    return {key.split("}:", 1)[1]: r.memory_usage(key, samples=0) for key in r.scan_iter(f"*{{{job_id}}}*")}
+
+
+def test_jsonl_sink_gets_every_batch_once_and_records_compact(ledger, jobs, registry, tmp_path):
+    path = tmp_path / "out" / "results.jsonl"
+    job_id = new_job(jobs, registry, {"type": "jsonl", "path": str(path)})
+    drain(ledger, job_id, output)
+    deliverer = SinkDeliverer(ledger)
+    assert deliverer.run_once() == 10
+    got = lines(path)
+    assert [r["seq"] for r in got] == list(range(10))
+    assert len({r["id"] for r in got}) == 10
+    assert got[3]["outputs"] == {"score": {"stage": "score", "first": 9},
+                                 "store": {"stage": "store", "first": 9}}
+    assert got[3]["cursor"] == {"type": "offset", "offset": 9} and got[3]["items"] == 3
+    k = ledger.keys.job(job_id)
+    assert not any(ledger.r.exists(k.batch(s)) for s in range(10))  # compacted
+    [summary] = [json.loads(v) for f, v in ledger.r.hgetall(k.sink).items() if f.startswith("r:")]
+    assert summary | {} == {"first": 0, "last": 9, "gen": "0", "cursor": {"type": "offset", "offset": 0},
+                            "end_cursor": None, "batches": 10, "items": 30, "superseded": 0}
+    view = jobs.view("acme", job_id)
+    assert view["status"] == "succeeded" and view["items_done"] == 30
+    assert view["sink"] | {} == {"type": "jsonl", "delivered_below_seq": 10, "batches_delivered": 10,
+                                 "items_delivered": 30, "behind": 0, "error": None, "error_ms": None}
+    # readers serve the summary: the listing (a row per range, pageable by seq), one batch, by status
+    [row] = jobs.batches("acme", job_id, None, -1, 100)
+    assert (row["first_seq"], row["last_seq"], row["status"], row["items"]) == (0, 9, "completed", 30)
+    assert jobs.batches("acme", job_id, None, row["seq"], 100) == []
+    assert jobs.batches("acme", job_id, "failed", -1, 100) == []
+    one = jobs.batch("acme", job_id, 4)
+    assert one["status"] == "delivered" and one["range"]["first_seq"] == 0
+    # at rest, the job left Redis apart from its own records
+    assert ledger.r.sismember(ledger.keys.sink_jobs, job_id) == 0
+    assert deliverer.run_once() == 0 and len(lines(path)) == 10
+
+
+def test_nothing_above_the_watermark_is_delivered_or_compacted(ledger, jobs, registry, tmp_path):
+    path = tmp_path / "out" / "r.jsonl"
+    job_id = new_job(jobs, registry, {"type": "jsonl", "path": str(path)}, items=12, stages=("only",))
+    leases = [ledger.lease(job_id) for _ in range(4)]
+    for lease in leases[1:3]:
+        ledger.complete(job_id, lease.seq, lease.lease_token, output(lease))
+    deliverer = SinkDeliverer(ledger)
+    assert deliverer.run_once() == 0
+    assert not path.exists() or path.read_text() == ""
+    k = ledger.keys.job(job_id)
+    assert all(ledger.r.exists(k.batch(s)) for s in range(4))
+    ledger.complete(job_id, 0, leases[0].lease_token, output(leases[0]))
+    assert deliverer.run_once() == 3
+    assert [r["seq"] for r in lines(path)] == [0, 1, 2]
+    assert ledger.r.exists(k.batch(3))  # still leased: open, kept
+    listed = jobs.batches("acme", job_id, None, -1, 100)
+    assert [(r.get("first_seq"), r["seq"], r["status"]) for r in listed] == [(0, 2, "completed"),
+                                                                              (None, 3, "leased")]
+
+
+def test_compact_script_refuses_what_is_not_delivered_and_answers_repeats(ledger, jobs, registry, tmp_path):
+    job_id = new_job(jobs, registry, {"type": "discard"}, items=12, stages=("only",))
+    k = ledger.keys.job(job_id)
+    lease = ledger.lease(job_id)
+    compact = ledger.scripts.compact
+    assert compact(keys=compact_keys(k, 0, 1), args=[0, 0, 1, 0, 1]) == ["above_watermark", "0"]
+    ledger.complete(job_id, lease.seq, lease.lease_token, {})
+    assert compact(keys=compact_keys(k, 0, 1), args=[5, 0, 6, 0, 1]) == ["raced", "0", "0"]
+    assert compact(keys=compact_keys(k, 0, 1), args=[0, 0, 1, 0, 1]) == ["ok", "1", "0"]
+    assert compact(keys=compact_keys(k, 0, 1), args=[0, 0, 1, 0, 1]) == ["duplicate", "1", "0"]
+    assert [f for f in ledger.r.hkeys(k.sink) if f.startswith("r:")] == ["r:0"]
+
+
+def test_csv_sink_writes_a_header_and_a_row_per_batch(ledger, jobs, registry, tmp_path):
+    path = tmp_path / "out" / "r.csv"
+    job_id = new_job(jobs, registry, {"type": "csv", "path": str(path)}, items=10)
+    drain(ledger, job_id, output)
+    SinkDeliverer(ledger).run_once()
+    rows = list(csv.DictReader(path.open()))
+    assert [int(r["seq"]) for r in rows] == [0, 1, 2, 3]
+    assert json.loads(rows[1]["store"]) == {"stage": "store", "first": 3}
+    assert rows[1]["id"] == f"{job_id}.1"
+
+
+def test_file_sink_paths_are_confined_to_the_sink_roots(jobs, registry, tmp_path):
+    for bad in ({"type": "jsonl", "path": str(tmp_path / "elsewhere.jsonl")},
+                {"type": "jsonl", "path": str(tmp_path / "out" / ".." / "x.jsonl")},
+                {"type": "jsonl", "path": "relative.jsonl"},
+                {"type": "jsonl", "path": str(tmp_path / "data" / "x.jsonl")},
+                {"type": "jsonl"}, {"type": "s3", "path": "/x"},
+                {"type": "http", "url": "http://10.0.0.1/x"}):
+        with pytest.raises(InvalidRequest):
+            new_job(jobs, registry, bad, name=f"f{abs(hash(str(bad)))}")
+
+
+def test_a_crash_between_write_and_record_never_duplicates_a_line(ledger, jobs, registry, tmp_path):
+    """Lines written past the recorded offset (the process died before compact.lua ran) are cut off and
+    written again by the next delivery: the final file holds each batch once."""
+    path = tmp_path / "out" / "r.jsonl"
+    job_id = new_job(jobs, registry, {"type": "jsonl", "path": str(path)})
+    drain(ledger, job_id, output)
+    deliverer = SinkDeliverer(ledger)
+    deliverer._deliver_chunk(ledger.spec(job_id))  # seqs 0-3 recorded
+    with path.open("a") as fh:  # what a killed delivery leaves: seqs 4.. written, half a line last
+        fh.write(json.dumps({"id": f"{job_id}.4", "seq": 4}) + "\n" + '{"id": "half')
+    deliverer.run_once()
+    assert [r["seq"] for r in lines(path)] == list(range(10))
+
+
+def _http_sink(behaviour):
+    """A sink endpoint on a free loopback port: behaviour(n, body) -> status (0 = hang past the
+    client's timeout after taking the records). Yields (url, received records in arrival order)."""
+    received: list[dict] = []
+    calls = [0]
+
+    @Request.application
+    def app(request):
+        calls[0] += 1
+        body = json.loads(request.get_data())
+        status = behaviour(calls[0], body)
+        if status in (0, 200):
+            received.extend(body["records"])
+        if status == 0:
+            time.sleep(1.5)
+            status = 200
+        return Response("{}", status=status, content_type="application/json")
+
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{server.server_port}/sink", received, server.shutdown
+
+
+def test_http_sink_refused_hung_and_repeated_delivers_every_batch_with_stable_ids(ledger, jobs, registry):
+    # 1st call refused (503), 2nd taken but never answered in time (the client times out, so the same
+    # chunk goes again: the receiver sees it twice), the rest answered
+    url, received, stop = _http_sink(lambda n, body: {1: 503, 2: 0}.get(n, 200))
+    try:
+        job_id = new_job(jobs, registry, {"type": "http", "url": url})
+        drain(ledger, job_id, output)
+        deliverer = SinkDeliverer(ledger)
+        deadline = time.monotonic() + 20
+        while jobs.view("acme", job_id)["sink"]["delivered_below_seq"] < 10 and time.monotonic() < deadline:
+            deliverer._retry_at.clear()  # no backoff wait in the test
+            deliverer.run_once()
+        ids = [r["id"] for r in received]
+        assert sorted(set(ids)) == sorted(f"{job_id}.{s}" for s in range(10))  # every batch
+        assert len(ids) > len(set(ids))  # some twice: the receiver dedupes by id
+        by_id = {r["id"]: r for r in received}
+        assert by_id[f"{job_id}.7"]["outputs"]["store"] == {"stage": "store", "first": 21}
+        assert jobs.view("acme", job_id)["sink"]["error"] is None
+    finally:
+        stop()
+
+
+def test_a_failing_sink_keeps_records_and_shows_the_error(ledger, jobs, registry):
+    url, received, stop = _http_sink(lambda n, body: 500)
+    try:
+        job_id = new_job(jobs, registry, {"type": "http", "url": url}, items=9)
+        drain(ledger, job_id, output)
+        SinkDeliverer(ledger).run_once()
+        view = jobs.view("acme", job_id)
+        assert view["sink"]["delivered_below_seq"] == 0 and "500" in view["sink"]["error"]
+        k = ledger.keys.job(job_id)
+        assert all(ledger.r.exists(k.batch(s)) for s in range(3))  # nothing undelivered compacts
+        assert jobs.batch("acme", job_id, 1)["stages"]["store"]["output"] == {"stage": "store", "first": 3}
+    finally:
+        stop()
+
+
+def test_rewind_ranges_split_by_generation_and_superseded_batches_are_not_delivered(ledger, jobs, registry,
+                                                                                       tmp_path):
+    path = tmp_path / "out" / "r.jsonl"
+    job_id = new_job(jobs, registry, {"type": "jsonl", "path": str(path)}, items=12, stages=("only",))
+    first = ledger.lease(job_id)
+    ledger.complete(job_id, first.seq, first.lease_token, output(first))
+    ledger.lease(job_id)  # seq 1 leased, then superseded by the rewind
+    ledger.replan(job_id, {"type": "offset", "offset": 0}, "op", "again")
+    drain(ledger, job_id, output)
+    SinkDeliverer(ledger).run_once()
+    got = lines(path)
+    assert [r["cursor"]["offset"] for r in got] == [0, 0, 3, 6, 9]
+    assert [r["generation"] for r in got] == [0, 1, 1, 1, 1]
+    rows = jobs.batches("acme", job_id, None, -1, 100)
+    # the first plan cut seqs 0-3 (read ahead): 0 committed, 1-3 superseded by the rewind
+    assert [(r["first_seq"], r["last_seq"], r["generation"]) for r in rows] == [(0, 3, 0), (4, 7, 1)]
+    assert (rows[0]["batches_completed"], rows[0]["batches_superseded"]) == (1, 3)
+    assert jobs.batches("acme", job_id, "superseded", -1, 100)[0]["first_seq"] == 0
+
+
+KILLED_DELIVERY = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    from gateway.ledger.embedded import client_for
+    from gateway.ledger.ledger import Ledger
+    from gateway.push import sinks
+    from gateway.settings import Settings
+
+    settings = Settings.model_validate_json({settings!r})
+    ledger = Ledger(client_for(settings.redis_url.get_secret_value()), settings)
+    real_write = os.write
+    calls = [0]
+
+    def write(fd, data):
+        calls[0] += 1
+        if calls[0] == {kill_at}:  # half of this chunk on disk, nothing recorded: killed mid-delivery
+            real_write(fd, bytes(data)[:len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_write(fd, data)
+
+    sinks.os.write = write
+    sinks.SinkDeliverer(ledger).run_once()
+""")
+
+
+@pytest.mark.parametrize("kill_at", [1, 2])
+def test_sigkill_mid_delivery_then_restart_delivers_each_batch_once(ledger, jobs, registry, tmp_path,
+                                                                     settings, kill_at):
+    path = tmp_path / "out" / "r.jsonl"
+    job_id = new_job(jobs, registry, {"type": "jsonl", "path": str(path)})
+    drain(ledger, job_id, output)
+    dumped = settings.model_dump(mode="json") | {"redis_url": settings.redis_url.get_secret_value()}
+    script = KILLED_DELIVERY.format(root=str(ROOT), settings=json.dumps(dumped), kill_at=kill_at)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert ledger.r.get(ledger.keys.job(job_id).sink_claim)  # the dead deliverer's claim, left behind
+    ledger.r.delete(ledger.keys.job(job_id).sink_claim)  # (it expires in CLAIM_MS; not waited for here)
+    k = ledger.keys.job(job_id)
+    delivered = int(ledger.r.hget(k.sink, "seq") or 0)
+    assert all(ledger.r.exists(k.batch(s)) for s in range(delivered, 10))  # nothing undelivered lost
+    SinkDeliverer(ledger).run_once()
+    assert [r["seq"] for r in lines(path)] == list(range(10))
+
+
+def test_redis_restart_mid_job_loses_no_delivery_and_duplicates_none(tmp_path):
+    (tmp_path / "out").mkdir()
+    server = EmbeddedRedis(tmp_path / "redis", fsync="always")
+    url = server.start()
+    try:
+        settings = Settings(redis_url=url, data_dir=tmp_path / "data", tokens={TOKEN: "acme"},
+                            sink_roots={"*": [str(tmp_path / "out")]}, sink_chunk=3)
+        ledger = Ledger(client_for(url), settings)
+        from gateway.ledger.flows import FlowRegistry
+
+        jobs = JobService(ledger, FlowRegistry(ledger.r, ledger.keys))
+        path = tmp_path / "out" / "r.jsonl"
+        job_id = new_job(jobs, jobs.flows, {"type": "jsonl", "path": str(path)}, items=30)
+        for _ in range(8):  # some batches committed (both stages), then delivered
+            lease = ledger.lease(job_id)
+            ledger.complete(job_id, lease.seq, lease.lease_token, output(lease))
+        SinkDeliverer(ledger).run_once()
+        server.stop()
+        server = EmbeddedRedis(tmp_path / "redis", fsync="always")
+        url = server.start()
+        ledger = Ledger(client_for(url), settings.model_copy(update={"redis_url": url}))
+        jobs = JobService(ledger, FlowRegistry(ledger.r, ledger.keys))
+        drain(ledger, job_id, output)
+        SinkDeliverer(ledger).run_once()
+        assert [r["seq"] for r in lines(path)] == list(range(10))
+        assert jobs.view("acme", job_id)["sink"]["batches_delivered"] == 10
+    finally:
+        server.stop()
+
+
+def test_a_job_at_rest_holds_no_batch_record(ledger, jobs, registry, tmp_path):
+    path = tmp_path / "out" / "r.jsonl"
+    job_id = new_job(jobs, registry, {"type": "jsonl", "path": str(path)}, items=300)
+    drain(ledger, job_id, output)
+    SinkDeliverer(ledger).run_once()
+    memory = job_memory(ledger.r, job_id)
+    assert not [key for key in memory if key.startswith(("batch:", "items:"))]
+    assert memory["sink"] < 1024, (memory, ledger.r.hgetall(ledger.keys.job(job_id).sink))
