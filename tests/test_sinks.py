@@ -87,7 +87,7 @@ def test_jsonl_sink_gets_every_batch_once_and_records_compact(ledger, jobs, regi
     assert jobs.batches("acme", job_id, None, row["seq"], 100) == []
     assert jobs.batches("acme", job_id, "failed", -1, 100) == []
     one = jobs.batch("acme", job_id, 4)
-    assert one["status"] == "delivered" and one["range"]["first_seq"] == 0
+    assert one["status"] == "completed" and one["compacted"] and one["range"]["first_seq"] == 0
     # at rest, the job left Redis apart from its own records
     assert ledger.r.sismember(ledger.keys.sink_jobs, job_id) == 0
     assert deliverer.run_once() == 0 and len(lines(path)) == 10

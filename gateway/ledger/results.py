@@ -124,15 +124,22 @@ def summary_rows(sink: dict[str, str]) -> list[dict[str, Any]]:
 
 
 def range_view(summary: dict[str, Any]) -> dict[str, Any]:
-    """A compacted range as the batch listing shows it: one row standing for seqs first..last."""
+    """A compacted range as the batch listing shows it: one row standing for seqs first..last, under
+    ``seq`` = last, so a client paging with ``after`` = the last row's seq goes on past it."""
     status = "completed" if summary["batches"] else "superseded"
     return {"seq": summary["last"], "first_seq": summary["first"], "last_seq": summary["last"],
-            "status": status, "compacted": True, "generation": int(summary["gen"]),
+            "status": status, "compacted": True, "generation": int(summary["gen"]), "stage": None,
+            "attempt": 0, "attempts_spent": 0, "error": None, "error_type": None,
             "cursor": summary["cursor"], "end_cursor": summary["end_cursor"], "items": summary["items"],
             "batches_completed": summary["batches"], "batches_superseded": summary["superseded"]}
 
 
 def compacted_batch_view(summary: dict[str, Any], seq: int) -> dict[str, Any]:
-    """One batch of a compacted range: its outputs went to the sink; the range stands for it."""
-    return {"seq": seq, "status": "delivered", "compacted": True, "range": range_view(summary),
-            "stages": None, "error": None}
+    """One batch of a compacted range: its outputs went to the sink; the range stands for it (its own
+    cursors and outputs are no longer in Redis: the sink's record ``<job_id>.<seq>`` holds them)."""
+    status = ("completed" if not summary["superseded"] else "superseded" if not summary["batches"]
+              else "compacted")  # a range that holds both: which this seq was is not kept
+    return {"seq": seq, "status": status, "compacted": True, "range": range_view(summary),
+            "stage": None, "attempt": 0, "attempts_spent": 0, "cursor": None, "end_cursor": None,
+            "items": None, "error": None, "error_type": None, "stages": {}, "progress": None,
+            "lease_deadline_ms": None}
