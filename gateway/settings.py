@@ -118,6 +118,9 @@ class Settings(BaseSettings):
         '"*" for every tenant (as source_roots); unset or empty = file sinks are off')
     sink_chunk: int = Field(default=200, ge=1, le=5000,
                             description="most batches one sink delivery writes or posts")
+    sink_grace: timedelta = Field(default=timedelta(seconds=60), ge=timedelta(0),
+                                  description="a committed batch goes to the sink (and compacts) this long "
+                                  "after its commit, so a repeated answer still gets its first answer")
     sink_timeout: timedelta = Field(default=timedelta(seconds=30), gt=timedelta(0),
                                     description="an HTTP sink's connect and read timeout")
     max_record_bytes: int = Field(
@@ -198,6 +201,7 @@ class Settings(BaseSettings):
 
     @field_validator("idempotency_ttl", "supervisor_interval", "callback_grace", "source_read_timeout",
                      "outage_pause_after", "outage_cooldown_max", "worker_grace", "redis_connect_timeout", "sink_timeout",
+                     "sink_grace",
                      "redis_read_timeout", "redis_wait_timeout", mode="before")
     @classmethod
     def _seconds(cls, value: object) -> object:

@@ -37,7 +37,7 @@ def settings(redis_server, tmp_path):
     (tmp_path / "out").mkdir()
     return Settings(redis_url=redis_server.url, data_dir=tmp_path / "data", tokens={TOKEN: "acme"},
                     sink_roots={"*": [str(tmp_path / "out")]}, outbound_allow=["127.0.0.1"],
-                    sink_chunk=4, sink_timeout=0.5)
+                    sink_chunk=4, sink_timeout=0.5, sink_grace=0)
 
 
 def new_job(jobs, registry, sink, items=30, max_items=3, stages=("score", "store"), name="f1"):
@@ -293,7 +293,7 @@ def test_redis_restart_mid_job_loses_no_delivery_and_duplicates_none(tmp_path):
     url = server.start()
     try:
         settings = Settings(redis_url=url, data_dir=tmp_path / "data", tokens={TOKEN: "acme"},
-                            sink_roots={"*": [str(tmp_path / "out")]}, sink_chunk=3)
+                            sink_roots={"*": [str(tmp_path / "out")]}, sink_chunk=3, sink_grace=0)
         ledger = Ledger(client_for(url), settings)
         from gateway.ledger.flows import FlowRegistry
 
@@ -325,3 +325,65 @@ def test_a_job_at_rest_holds_no_batch_record(ledger, jobs, registry, tmp_path):
     memory = job_memory(ledger.r, job_id)
     assert not [key for key in memory if key.startswith(("batch:", "items:"))]
     assert memory["sink"] < 1024, (memory, ledger.r.hgetall(ledger.keys.job(job_id).sink))
+
+
+def test_a_fresh_commit_waits_out_the_grace_and_a_late_repeat_is_stale(ledger, jobs, registry, tmp_path,
+                                                                       settings):
+    """A batch goes to the sink ``sink_grace`` after its commit: until then a repeated answer finds its
+    record and gets its first answer; once compacted, an answer for it is a 409 stale lease."""
+    from gateway.errors import StaleLease
+
+    path = tmp_path / "out" / "r.jsonl"
+    job_id = new_job(jobs, registry, {"type": "jsonl", "path": str(path)}, items=6, stages=("only",))
+    lease = ledger.lease(job_id)
+    first = ledger.complete(job_id, lease.seq, lease.lease_token, output(lease))
+    patient = Ledger(ledger.r, settings.model_copy(update={"sink_grace": __import__("datetime").timedelta(
+        seconds=60)}))
+    assert SinkDeliverer(patient).run_once() == 0  # within the grace: kept
+    assert ledger.complete(job_id, lease.seq, lease.lease_token, output(lease)) == {**first, "duplicate": True}
+    assert SinkDeliverer(ledger).run_once() == 1  # no grace
+    with pytest.raises(StaleLease) as err:
+        ledger.complete(job_id, lease.seq, lease.lease_token, output(lease))
+    assert err.value.extra["batch_status"] == "compacted"
+
+
+@pytest.fixture
+def cli(api, monkeypatch, capsys):
+    from gateway.runtime.cli import main
+
+    monkeypatch.setenv("BATCHGATE_TOKEN", TOKEN)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main([*argv[:2], "--url", api.base, *argv[2:]])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+def test_flow_sink_over_the_api_job_override_and_the_cli_listing(api, ledger, cli, tmp_path):
+    flow_path = tmp_path / "out" / "flow.jsonl"
+    flow = {"id": "sunk", "version": "1", "batching": {"max_items": 2}, "stages": [{"name": "s"}],
+            "source": {"type": "sequence", "count": 8}, "sink": {"type": "jsonl", "path": str(flow_path)}}
+    assert api.post("/v1/flows", json=flow).status_code == 201
+    bad = api.post("/v1/jobs", json={"flow_id": "sunk", "sink": {"type": "jsonl", "path": "/etc/x.jsonl"}})
+    assert bad.status_code == 422 and "sink" in bad.json()["detail"]
+    job_id = api.post("/v1/jobs", json={"flow_id": "sunk"}).json()["job_id"]
+    other = api.post("/v1/jobs", json={"flow_id": "sunk", "sink": {"type": "csv", "path": str(
+        tmp_path / "out" / "own.csv")}}).json()["job_id"]
+    for job in (job_id, other):
+        while (r := api.post(f"/v1/jobs/{job}/lease")).status_code == 200:
+            api.post(f"/v1/jobs/{job}/batches/{r.json()['seq']}/complete",
+                     json={"lease_token": r.json()["lease_token"], "output": {"seq": r.json()["seq"]}})
+    SinkDeliverer(ledger).run_once()
+    assert [r["outputs"]["s"] for r in lines(flow_path)] == [{"seq": s} for s in range(4)]
+    assert len((tmp_path / "out" / "own.csv").read_text().splitlines()) == 5  # header + 4
+    view = api.get(f"/v1/jobs/{job_id}").json()
+    assert view["sink"]["batches_delivered"] == 4 and view["status"] == "succeeded"
+    rows = api.get(f"/v1/jobs/{job_id}/batches").json()
+    rows = rows["batches"] if isinstance(rows, dict) else rows
+    assert [(r["first_seq"], r["last_seq"], r["compacted"]) for r in rows] == [(0, 3, True)]
+    one = api.get(f"/v1/jobs/{job_id}/batches/2").json()
+    assert one["compacted"] and one["status"] == "completed"
+    code, out, _ = cli("jobs", "batches", job_id)
+    assert code == 0 and "#0-3" in out and "delivered to the sink" in out

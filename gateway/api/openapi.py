@@ -166,6 +166,8 @@ VIEW_SCHEMAS: dict[str, Any] = {
         waiting=_nullable(_obj(["reason"], reason=STR, target=_nullable(STR), since_ms=_nullable(INT),
                                retry_at_ms=_nullable(INT))),
         bytes_done=_nullable(INT), bytes_total=_nullable(INT), bytes_read=_nullable(INT), items_planned=INT,
+        sink=_obj(["type", "delivered_below_seq"], type=STR, delivered_below_seq=INT, batches_delivered=INT,
+                  items_delivered=INT, behind=INT, error=_nullable(STR), error_ms=_nullable(INT)),
         created_ms=INT, updated_ms=INT, finished_ms=_nullable(INT)),
     "JobList": _obj(["jobs"], jobs={"type": "array", "items": _ref("JobView")},
                     next={"type": "string", "description": "the next page (the same filters and a cursor); "
@@ -175,8 +177,13 @@ VIEW_SCHEMAS: dict[str, Any] = {
             end: _obj(["version", "hash"], version=STR, hash=STR) for end in ("from", "to")}))]},
     "BatchView": _obj(["seq", "stage", "attempt", "items"],
                       seq=INT, status=_nullable(STR), stage=_nullable(STR), attempt=INT,
-                      items=INT, error=_nullable(STR), error_type=_nullable(STR),
+                      items={"anyOf": [INT, {"type": "null"}], "description": "null: one batch of a "
+                             "compacted range (its record went to the job's result sink)"},
+                      error=_nullable(STR), error_type=_nullable(STR),
                       attempts_spent=INT, stages=OBJ,
+                      compacted={**BOOL, "description": "delivered to the job's result sink: the row stands "
+                                 "for seqs first_seq..last_seq"},
+                      first_seq=INT, last_seq=INT, range=OBJ,
                       approval_id={**STR, "description": "waiting_human: the approval it waits on"},
                       lease_deadline_ms=_nullable(INT)),
     "BatchList": _obj(["batches"], batches={"type": "array", "items": _ref("BatchView")}),

@@ -574,8 +574,7 @@ class Ledger(ControlOps, ApprovalOps):
             raise NotFound(f"job {job_id} has no batch {seq}")
         return fields
 
-    @staticmethod
-    def _raise_for(res: list, job_id: str, seq: int) -> None:
+    def _raise_for(self, res: list, job_id: str, seq: int) -> None:
         if res[0] == "max_run":
             outcome, attempt, max_run_s = res[1], int(res[2]), int(res[3]) / 1000
             then = ("it will be retried (the stage is idempotent)" if outcome == "retry"
@@ -593,6 +592,11 @@ class Ledger(ControlOps, ApprovalOps):
                              batch_status=res[1], attempt=int(res[2] or 0))
         if res[0] == "corrupt":
             raise CorruptRecord(f"job {job_id} batch {seq} failed its checksum; it will not run")
+        if res[0] == "missing" and int(self.r.hget(self.keys.job(job_id).sink, "seq") or 0) > seq:
+            # delivered to the job's result sink and compacted (results.py): long done, like a stale one
+            raise StaleLease(f"batch {seq} of job {job_id} was committed, delivered to the job's result "
+                             "sink and compacted; this answer was not committed",
+                             batch_status="compacted", attempt=0)
         if res[0] == "missing":
             raise NotFound(f"job {job_id} has no batch {seq}")
         if res[0] == "invalid":

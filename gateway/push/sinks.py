@@ -130,7 +130,11 @@ class SinkDeliverer:
             if stop <= state.seq:
                 self._maybe_retire(spec, status, state.seq, wm)
                 return None
-            records = self._records(spec, state.seq, stop)
+            fields = self._batches(spec, state.seq, stop)
+            stop = state.seq + self._settled(fields)
+            if stop <= state.seq:
+                return None  # committed too recently: its repeated answers are still answered
+            records = self._records(spec, state.seq, fields[:stop - state.seq])
             offset = self._write(spec, fd, state, records)
             res = self.ledger.scripts.compact(keys=compact_keys(k, state.seq, stop),
                                               args=[state.seq, state.offset, stop, offset,
@@ -143,18 +147,38 @@ class SinkDeliverer:
                      stop - 1, len(records), spec.sink["type"])
         return len(records)
 
-    def _records(self, spec: JobSpec, first: int, stop: int) -> list[dict[str, Any]]:
-        """The delivery records of the completed batches among seqs first..stop-1 (superseded ones have
-        nothing to deliver), from their batch hashes."""
+    def _batches(self, spec: JobSpec, first: int, stop: int) -> list[dict[str, str]]:
+        """The batch hashes of seqs first..stop-1 (all below the watermark: they change no more)."""
         k = self.ledger.keys.job(spec.job_id)
         pipe = self.r.pipeline(transaction=False)
         for seq in range(first, stop):
             pipe.hgetall(k.batch(seq))
-        names = [s.name for s in spec.flow.stages]
-        out = []
-        for seq, fields in zip(range(first, stop), pipe.execute(), strict=True):
+        found = pipe.execute()
+        for seq, fields in zip(range(first, stop), found, strict=True):
             if not fields:
                 raise SinkFailed(f"batch {seq} of job {spec.job_id} has no record")
+        return found
+
+    def _settled(self, batches: list[dict[str, str]]) -> int:
+        """How many of ``batches`` (in seq order) committed at least ``sink_grace`` ago (Redis's clock):
+        until then a repeated answer for the batch still finds its record and gets its first answer
+        (complete.lua), rather than the stale answer a compacted batch gets."""
+        grace_ms = int(self.settings.sink_grace.total_seconds() * 1000)
+        if not grace_ms:
+            return len(batches)
+        secs, micros = self.r.time()
+        before = secs * 1000 + micros // 1000 - grace_ms
+        for i, fields in enumerate(batches):
+            if fields.get("status") == "completed" and int(fields.get("completed_ms") or 0) > before:
+                return i
+        return len(batches)
+
+    def _records(self, spec: JobSpec, first: int, batches: list[dict[str, str]]) -> list[dict[str, Any]]:
+        """The delivery records of the completed ones among ``batches`` (seqs from ``first``; superseded
+        ones have nothing to deliver)."""
+        names = [s.name for s in spec.flow.stages]
+        out = []
+        for seq, fields in enumerate(batches, start=first):
             if fields.get("status") != "completed":
                 continue
             out.append({"id": f"{spec.job_id}.{seq}", "job_id": spec.job_id, "seq": seq,
