@@ -116,6 +116,8 @@ class Settings(BaseSettings):
     sink_roots: dict[str, list[str]] = Field(
         default_factory=dict, description='directories jsonl/csv result sinks may write, by tenant, '
         '"*" for every tenant (as source_roots); unset or empty = file sinks are off')
+    log_at_rest: int = Field(default=100, ge=0, description="entries a job's log keeps once the job is at "
+                             "rest and its results are delivered to its sink (jobs with a sink only)")
     sink_chunk: int = Field(default=200, ge=1, le=5000,
                             description="most batches one sink delivery writes or posts")
     sink_grace: timedelta = Field(default=timedelta(seconds=60), ge=timedelta(0),

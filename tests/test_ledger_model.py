@@ -468,7 +468,12 @@ class LedgerMachine(RuleBasedStateMachine):
             STATS[f"complete: committed in a {m.status} job"] += 1
             return
         dup = [(stage, att) for stage, (att, tok) in b.commits.items() if tok == token]
-        if dup:
+        if self.compacted(b.seq):  # delivered to the sink, its record gone: any answer is stale
+            with pytest.raises(JobCancelled if m.status == "cancelled" else StaleLease) as err:
+                self.ledger.complete(self.job_id, b.seq, token, output)
+            assert m.status == "cancelled" or err.value.extra["batch_status"] == "compacted"
+            STATS["complete: compacted"] += 1
+        elif dup:
             res = self.ledger.complete(self.job_id, b.seq, token, output)
             assert res["duplicate"] is True and (res["stage"], res["attempt"]) == (f"s{dup[0][0]}", dup[0][1])
             STATS["complete: duplicate"] += 1
@@ -654,10 +659,10 @@ class LedgerMachine(RuleBasedStateMachine):
                 b.status, b.token, b.rec_token, b.unspent = "pending", None, "", b.unspent + 1
                 m.overdue.discard(b.seq)
             STATS[f"begin: {res[0]}"] += 1
+        elif self.compacted(b.seq):
+            assert res == ["missing"]  # delivered to the sink and compacted: no record to be stale
         elif m.status == "cancelled":
             assert res == ["cancelled"]
-        elif b.seq < int(self.r.hget(k.sink, "seq") or 0):
-            assert res == ["missing"]  # delivered to the sink and compacted: no record to be stale
         else:
             assert res == ["stale", b.status, str(b.attempt)]
 
@@ -830,6 +835,10 @@ class LedgerMachine(RuleBasedStateMachine):
         assert self.dump(scores=True) == before
 
     # result sink
+    def compacted(self, seq: int) -> bool:
+        """Whether batch ``seq`` was delivered to the job's sink and its record compacted."""
+        return seq < int(self.r.hget(self.k.sink, "seq") or 0)
+
     def deliver(self, data):
         """The sink deliverer writes and records one to three chunks (3 batches each, sink_chunk)."""
         deliverer = SinkDeliverer(self.ledger, name="model-sink")

@@ -324,6 +324,8 @@ def test_a_job_at_rest_holds_no_batch_record(ledger, jobs, registry, tmp_path):
     SinkDeliverer(ledger).run_once()
     memory = job_memory(ledger.r, job_id)
     assert not [key for key in memory if key.startswith(("batch:", "items:"))]
+    assert ledger.r.xlen(ledger.keys.job(job_id).log) == 100  # log_at_rest (it held 300+ entries)
+    assert [f["event"] for _, f in ledger.r.xrange(ledger.keys.job(job_id).audit)] == ["job_created"]
     assert memory["sink"] < 1024, (memory, ledger.r.hgetall(ledger.keys.job(job_id).sink))
 
 
@@ -387,3 +389,27 @@ def test_flow_sink_over_the_api_job_override_and_the_cli_listing(api, ledger, cl
     assert one["compacted"] and one["status"] == "completed"
     code, out, _ = cli("jobs", "batches", job_id)
     assert code == 0 and "#0-3" in out and "delivered to the sink" in out
+
+
+def test_the_supervisor_delivers_while_it_runs(ledger, jobs, registry, tmp_path, settings):
+    """`batchgate supervisor` runs the deliverer in a thread beside its passes."""
+    from gateway.push.supervisor import Supervisor
+
+    path = tmp_path / "out" / "r.jsonl"
+    fast = Ledger(ledger.r, settings.model_copy(update={"supervisor_interval": __import__("datetime")
+                                                        .timedelta(seconds=0.05)}))
+    job_id = new_job(jobs, registry, {"type": "jsonl", "path": str(path)}, items=9)
+    drain(ledger, job_id, output)
+    sup = Supervisor(fast, name="sup-sinks")
+    thread = threading.Thread(target=sup.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not path.exists() or len(path.read_text().splitlines()) < 3:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+    finally:
+        sup.stop.set()
+        thread.join(10)
+    assert [r["seq"] for r in lines(path)] == [0, 1, 2]
+    assert not thread.is_alive()

@@ -571,7 +571,7 @@ class Ledger(ControlOps, ApprovalOps):
     def _batch_fields(self, job_id: str, seq: int) -> dict[str, str]:
         fields = self.r.hgetall(self.keys.job(job_id).batch(seq))
         if not fields:
-            raise NotFound(f"job {job_id} has no batch {seq}")
+            self._raise_for(["missing"], job_id, seq)  # compacted: a stale lease; else NotFound
         return fields
 
     def _raise_for(self, res: list, job_id: str, seq: int) -> None:
@@ -594,6 +594,8 @@ class Ledger(ControlOps, ApprovalOps):
             raise CorruptRecord(f"job {job_id} batch {seq} failed its checksum; it will not run")
         if res[0] == "missing" and int(self.r.hget(self.keys.job(job_id).sink, "seq") or 0) > seq:
             # delivered to the job's result sink and compacted (results.py): long done, like a stale one
+            if self.r.hget(self.keys.job(job_id).job, "status") == "cancelled":
+                self._raise_for(["cancelled"], job_id, seq)
             raise StaleLease(f"batch {seq} of job {job_id} was committed, delivered to the job's result "
                              "sink and compacted; this answer was not committed",
                              batch_status="compacted", attempt=0)

@@ -259,7 +259,8 @@ class SinkDeliverer:
 
     def _maybe_retire(self, spec: JobSpec, status: str | None, seq: int, wm: int) -> None:
         """Stop following a job at rest whose every batch below the watermark is delivered (a resume
-        adds it again: Ledger.persist_job). A failed job with leases out may still commit answers."""
+        adds it again: Ledger.persist_job), and trim its log to ``log_at_rest`` entries. A failed job
+        with leases out may still commit answers."""
         if status not in AT_REST or seq < wm:
             return
         k = self.ledger.keys.job(spec.job_id)
@@ -268,6 +269,10 @@ class SinkDeliverer:
         self.r.srem(self.ledger.keys.sink_jobs, spec.job_id)
         if self.r.hget(k.job, "status") not in AT_REST:  # resumed meanwhile: keep following it
             self.r.sadd(self.ledger.keys.sink_jobs, spec.job_id)
+            return
+        # its results are in the sink: the execution log (up to log_maxlen entries, ~70 B each) keeps
+        # its last few; the audit stream (control events) stays whole until retention
+        self.r.xtrim(k.log, maxlen=self.settings.log_at_rest, approximate=False)
 
 
 def _jsonl(records: list[dict[str, Any]]) -> bytes:
