@@ -80,7 +80,7 @@ class SinkDeliverer:
     def run_once(self) -> int:
         """One pass over the jobs with a sink; returns the batches delivered."""
         delivered = 0
-        for job_id in sorted(self.r.smembers(self.ledger.keys.sink_jobs)):
+        for job_id in self._due(sorted(self.r.smembers(self.ledger.keys.sink_jobs))):
             if self.stop.is_set():
                 break
             retry = self._retry_at.get(job_id)
@@ -88,6 +88,23 @@ class SinkDeliverer:
                 continue
             delivered += self.deliver_job(job_id)
         return delivered
+
+    def _due(self, job_ids: list[str], page: int = 500) -> Iterator[str]:
+        """The jobs with something to do: batches below the watermark not delivered yet, or at rest (to
+        retire). Read in pipelines of ``page`` jobs, so a pass over idle jobs costs a round trip per
+        page rather than several per job."""
+        for start in range(0, len(job_ids), page):
+            ids = job_ids[start:start + page]
+            pipe = self.r.pipeline(transaction=False)
+            for job_id in ids:
+                k = self.ledger.keys.job(job_id)
+                pipe.hget(k.sink, "seq")
+                pipe.hmget(k.job, "wm", "status")
+            got = pipe.execute()
+            for i, job_id in enumerate(ids):
+                seq, (wm, status) = int(got[2 * i] or 0), got[2 * i + 1]
+                if wm is None or int(wm) > seq or status in AT_REST:
+                    yield job_id
 
     def deliver_job(self, job_id: str) -> int:
         """Deliver what is due for one job (if this process may claim it); returns batches delivered."""
