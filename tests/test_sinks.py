@@ -413,3 +413,47 @@ def test_the_supervisor_delivers_while_it_runs(ledger, jobs, registry, tmp_path,
         thread.join(10)
     assert [r["seq"] for r in lines(path)] == [0, 1, 2]
     assert not thread.is_alive()
+
+
+KILLED_POST = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    from gateway.ledger.embedded import client_for
+    from gateway.ledger.ledger import Ledger
+    from gateway.push import sinks
+    from gateway.settings import Settings
+
+    settings = Settings.model_validate_json({settings!r})
+    ledger = Ledger(client_for(settings.redis_url.get_secret_value()), settings)
+    real_post = sinks.SinkDeliverer._post
+    calls = [0]
+
+    def post(self, spec, records):
+        real_post(self, spec, records)
+        calls[0] += 1
+        if calls[0] == 2:  # the receiver took the second chunk; killed before the cursor moved
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    sinks.SinkDeliverer._post = post
+    sinks.SinkDeliverer(ledger).run_once()
+""")
+
+
+def test_sigkill_after_an_http_post_resends_the_chunk_with_the_same_ids(ledger, jobs, registry, settings):
+    url, received, stop = _http_sink(lambda n, body: 200)
+    try:
+        job_id = new_job(jobs, registry, {"type": "http", "url": url})
+        drain(ledger, job_id, output)
+        dumped = settings.model_dump(mode="json") | {"redis_url": settings.redis_url.get_secret_value()}
+        script = KILLED_POST.format(root=str(ROOT), settings=json.dumps(dumped))
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+        assert jobs.view("acme", job_id)["sink"]["delivered_below_seq"] == 4  # the first chunk only
+        ledger.r.delete(ledger.keys.job(job_id).sink_claim)
+        SinkDeliverer(ledger).run_once()
+        ids = [r["id"] for r in received]
+        assert sorted(set(ids)) == sorted(f"{job_id}.{s}" for s in range(10))
+        assert [i for i in ids if ids.count(i) > 1] == [f"{job_id}.{s}" for s in (4, 5, 6, 7)] * 2
+        assert jobs.view("acme", job_id)["sink"]["delivered_below_seq"] == 10
+    finally:
+        stop()
