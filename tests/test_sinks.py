@@ -457,3 +457,29 @@ def test_sigkill_after_an_http_post_resends_the_chunk_with_the_same_ids(ledger, 
         assert jobs.view("acme", job_id)["sink"]["delivered_below_seq"] == 10
     finally:
         stop()
+
+
+def test_the_console_job_and_batch_pages_show_compacted_ranges(settings, redis_client, ledger, jobs, registry,
+                                                               tmp_path):
+    import requests
+
+    from gateway.api.app import create_app
+    from tests.http import serve_app
+
+    path = tmp_path / "out" / "r.jsonl"
+    job_id = new_job(jobs, registry, {"type": "jsonl", "path": str(path)}, items=12, stages=("only",))
+    leases = [ledger.lease(job_id) for _ in range(4)]
+    for lease in leases[:3]:
+        ledger.complete(job_id, lease.seq, lease.lease_token, output(lease))
+    SinkDeliverer(ledger).run_once()  # seqs 0-2 compacted, 3 leased
+    base, stop = serve_app(create_app(settings, redis_client))
+    try:
+        http = requests.Session()
+        assert http.post(f"{base}/console/sign-in", data={"token": TOKEN}, timeout=10).status_code == 200
+        page = http.get(f"{base}/console/jobs/{job_id}", timeout=10)
+        assert page.status_code == 200 and "0&ndash;2" in page.text and "delivered to the sink" in page.text
+        assert f"/console/jobs/{job_id}/batches/3" in page.text
+        one = http.get(f"{base}/console/jobs/{job_id}/batches/1", timeout=10)
+        assert one.status_code == 200 and "completed" in one.text
+    finally:
+        stop()
