@@ -55,7 +55,8 @@ def by_kind(ledger: Ledger, job_id: str) -> Counter:
     out: Counter = Counter()
     for key in ledger.r.scan_iter(f"{ledger.keys.prefix}:{{{job_id}}}:*", count=1000):
         kind = key.rsplit("}:", 1)[1].split(":", 1)[0]
-        out["batch+items" if kind in ("batch", "items") else kind] += ledger.r.memory_usage(key, samples=0) or 0
+        kind = "batch+items" if kind in ("batch", "items") else kind
+        out[kind] += ledger.r.memory_usage(key, samples=0) or 0
     return out
 
 

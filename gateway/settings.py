@@ -202,8 +202,8 @@ class Settings(BaseSettings):
         return value
 
     @field_validator("idempotency_ttl", "supervisor_interval", "callback_grace", "source_read_timeout",
-                     "outage_pause_after", "outage_cooldown_max", "worker_grace", "redis_connect_timeout", "sink_timeout",
-                     "sink_grace",
+                     "outage_pause_after", "outage_cooldown_max", "worker_grace", "redis_connect_timeout",
+                     "sink_timeout", "sink_grace",
                      "redis_read_timeout", "redis_wait_timeout", mode="before")
     @classmethod
     def _seconds(cls, value: object) -> object:

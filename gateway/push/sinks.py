@@ -56,7 +56,8 @@ class SinkFailed(BatchgateError):
 class SinkDeliverer:
     """Delivers committed outputs to each job's sink and compacts what was delivered."""
 
-    def __init__(self, ledger: Ledger, name: str | None = None, session: requests.Session | None = None) -> None:
+    def __init__(self, ledger: Ledger, name: str | None = None,
+                 session: requests.Session | None = None) -> None:
         self.ledger = ledger
         self.r = ledger.r
         self.settings = ledger.settings
