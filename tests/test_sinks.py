@@ -364,13 +364,20 @@ def cli(api, monkeypatch, capsys):
 
 
 def test_flow_sink_over_the_api_job_override_and_the_cli_listing(api, ledger, cli, tmp_path):
-    flow_path = tmp_path / "out" / "flow.jsonl"
     flow = {"id": "sunk", "version": "1", "batching": {"max_items": 2}, "stages": [{"name": "s"}],
-            "source": {"type": "sequence", "count": 8}, "sink": {"type": "jsonl", "path": str(flow_path)}}
+            "source": {"type": "sequence", "count": 8},
+            "sink": {"type": "jsonl", "path": str(tmp_path / "out" / "flow.jsonl")}}
+    refused = api.post("/v1/flows", json=flow)  # every job of the flow would write that one file
+    assert refused.status_code == 422 and "{job_id}" in str(refused.json())
+    flow["sink"]["path"] = str(tmp_path / "out" / "flow-{job_id}.jsonl")
     assert api.post("/v1/flows", json=flow).status_code == 201
     bad = api.post("/v1/jobs", json={"flow_id": "sunk", "sink": {"type": "jsonl", "path": "/etc/x.jsonl"}})
     assert bad.status_code == 422 and "sink" in bad.json()["detail"]
     job_id = api.post("/v1/jobs", json={"flow_id": "sunk"}).json()["job_id"]
+    flow_path = tmp_path / "out" / f"flow-{job_id}.jsonl"
+    assert flow_path.exists()  # made at creation: a second job naming it is refused
+    taken = api.post("/v1/jobs", json={"flow_id": "sunk", "sink": {"type": "jsonl", "path": str(flow_path)}})
+    assert taken.status_code == 422 and "exists" in taken.json()["detail"]
     other = api.post("/v1/jobs", json={"flow_id": "sunk", "sink": {"type": "csv", "path": str(
         tmp_path / "out" / "own.csv")}}).json()["job_id"]
     for job in (job_id, other):

@@ -244,7 +244,7 @@ class FlowSpec(BaseModel):
             self.source = validate_source(self.source, fetch_stage=self.stages[0].fetches)
         if self.sink is not None:
             try:
-                self.sink = parse_sink(self.sink)
+                self.sink = parse_sink(self.sink, in_flow=True)
             except InvalidRequest as exc:
                 raise ValueError(str(exc)) from None
         return self

@@ -22,9 +22,10 @@ from gateway.ledger.progress import progress_of
 from gateway.ledger.records import loads_or_none
 from gateway.ledger.results import (
     SinkState,
-    check_sink,
     check_sink_url,
+    create_sink_file,
     compacted_batch_view,
+    job_sink,
     parse_sink,
     range_view,
     summary_rows,
@@ -103,11 +104,12 @@ class JobService:
         check_batch_bound(flow.batching, source, self.ledger.settings)  # 422 before the probe reads
         # 422/503 now rather than failing every lease later; a path must be one the tenant may read
         total_bytes = probe_source(source, flow, self.ledger.settings, tenant)
-        sink = parse_sink(req.sink) if req.sink is not None else flow.sink
-        check_sink(sink, self.ledger.settings, tenant)
+        job_id = job_id or new_job_id()
+        sink = job_sink(parse_sink(req.sink) if req.sink is not None else flow.sink, job_id)
         if sink and sink["type"] == "http":
             check_sink_url(sink["url"], self.ledger.settings)
-        spec = JobSpec(job_id=job_id or new_job_id(), tenant=tenant, flow=flow, flow_hash=record["hash"],
+        create_sink_file(sink, self.ledger.settings, tenant)  # the last check: it makes the file
+        spec = JobSpec(job_id=job_id, tenant=tenant, flow=flow, flow_hash=record["hash"],
                        source=source, params=req.params,
                        total_hint=total_hint(source, len(inline) if inline is not None else None),
                        total_bytes=total_bytes, key_scheme="range", sink=sink)

@@ -11,6 +11,7 @@ job's batches once some of them are summaries. docs/design.md "Result sinks and 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,8 +37,12 @@ class SinkSpec(BaseModel):
     url: str | None = Field(default=None, max_length=2048, description="http: where batches are POSTed")
 
 
-def parse_sink(raw: Any) -> dict[str, Any] | None:
-    """The sink as stored (JSON-ready, fields not given left out), or 422 when it is malformed."""
+JOB_ID = "{job_id}"  # in a file sink's path: the job's id (every job of a flow writes its own file)
+
+
+def parse_sink(raw: Any, in_flow: bool = False) -> dict[str, Any] | None:
+    """The sink as stored (JSON-ready, fields not given left out), or 422 when it is malformed. A file
+    sink a flow declares must name its path with ``{job_id}``: a file has one writer (one job)."""
     if raw is None:
         return None
     try:
@@ -52,7 +57,33 @@ def parse_sink(raw: Any) -> dict[str, Any] | None:
         raise InvalidRequest("sink: an http sink needs an http(s) url")
     if sink.type not in FILE_SINKS and sink.path or sink.type != "http" and sink.url:
         raise InvalidRequest(f"sink: a {sink.type} sink takes no {'path' if sink.path else 'url'}")
+    if in_flow and sink.type in FILE_SINKS and JOB_ID not in (sink.path or ""):
+        raise InvalidRequest(f"sink.path: a flow's {sink.type} sink is written by each of its jobs, so its "
+                             f"path must hold {JOB_ID} (each job writes its own file)")
     return sink.model_dump(exclude_none=True)
+
+
+def job_sink(sink: dict[str, Any] | None, job_id: str) -> dict[str, Any] | None:
+    """The sink a job records: ``{job_id}`` in a file sink's path replaced by the job's id."""
+    if sink is None or "path" not in sink:
+        return sink
+    return {**sink, "path": sink["path"].replace(JOB_ID, job_id)}
+
+
+def create_sink_file(sink: dict[str, Any] | None, settings: Settings | None, tenant: str) -> None:
+    """Create a job's sink file (empty, 0640) at job creation, refusing one that exists: a file sink is
+    written by one job only, since each delivery cuts the file back to what its job recorded. 422 for a
+    path the tenant may not write (check_sink) or that exists."""
+    path = check_sink(sink, settings, tenant)
+    if path is None:
+        return
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640))
+    except FileExistsError:
+        raise InvalidRequest(f"sink.path {sink['path']!r} exists: a file sink is written by one job only; "
+                             f"name a new file (a path with {JOB_ID} names one per job)") from None
+    except OSError as exc:
+        raise InvalidRequest(f"sink.path {sink['path']!r} cannot be created: {exc.strerror}") from None
 
 
 def sink_access(settings: Settings | None, tenant: str) -> chunker.FileAccess:
