@@ -15,7 +15,7 @@ OPERATIONS = (
     "plan", "lease", "heartbeat", "complete", "fail", "expire", "reopen", "replan", "set_status", "selfcheck",
     "slot", "cancel", "begin", "source_fail", "breaker", "outage", "unwait", "handle", "decide",
     "open_approval",
-    "compact",  # result sinks (docs/design.md "Result sinks and compaction")
+    "compact", "rest",  # result sinks (docs/design.md "Result sinks and compaction")
 )
 
 
@@ -78,6 +78,7 @@ class Scripts:
     decide: Script
     open_approval: Script
     compact: Script
+    rest: Script
 
     @classmethod
     def register(cls, client: redis.Redis, observer: Observer | None = None) -> Scripts:

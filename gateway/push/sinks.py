@@ -289,8 +289,9 @@ class SinkDeliverer:
             self.r.sadd(self.ledger.keys.sink_jobs, spec.job_id)
             return
         # its results are in the sink: the execution log (up to log_maxlen entries, ~70 B each) keeps
-        # its last few; the audit stream (control events) stays whole until retention
-        self.r.xtrim(k.log, maxlen=self.settings.log_at_rest, approximate=False)
+        # its last few, and its streams and sink hash lose the slack Redis allocated (rest.lua)
+        self.ledger.scripts.rest(keys=[k.job, k.log, k.audit, k.events, k.sink],
+                                 args=[self.settings.log_at_rest])
 
 
 def _jsonl(records: list[dict[str, Any]]) -> bytes:
