@@ -85,7 +85,7 @@ def sinks(ledger: Ledger, batches: int) -> None:
     settings = ledger.settings.model_copy(update={"sink_roots": {"*": [out]}, "sink_grace": timedelta(0)})
     ledger = Ledger(ledger.r, settings)
     jobs = JobService(ledger, FlowRegistry(ledger.r, ledger.keys))
-    sink = {"type": "jsonl", "path": f"{out}/results.jsonl"}
+    sink = {"type": "jsonl", "path": out + "/{job_id}.jsonl"}  # a file per job
     print(f"\nResult sinks: MEMORY USAGE of one job's keys, {batches} batches committed (2 stages, small "
           "outputs)")
     for finish, label in ((True, "at rest (succeeded)"), (False, f"running, {OPEN} batches open")):
