@@ -274,8 +274,12 @@ class Rule:
 SOURCE_RULE = Rule("a source is checked by its type (README, Sources) and read once at creation",
                    "invalid-request", r"^(source|the source|file sources|a fetching first stage|an external "
                    r"source|the flow defines no source)")
+SINK_RULE = Rule("a result sink is checked by its type (README, Result sinks): a file sink's path under "
+                 "BATCHGATE_SINK_ROOTS, a new file (a flow's with {job_id}), an http sink's URL",
+                 "invalid-request", r"sink")
 FLOW_RULES = (
     Rule("stage names are unique", "invalid-request", "stage names must be unique"),
+    SINK_RULE,
     Rule("only the first stage may fetch items", "invalid-request", "only the first stage may fetch"),
     Rule("a stage's max_run is at least its lease", "invalid-request", "must be at least the stage's lease"),
     Rule("a duration given as an ISO 8601 string is held to the bounds stated for seconds",
@@ -290,6 +294,7 @@ FLOW_RULES = (
 JOB_RULES = (
     Rule("an Idempotency-Key is used with one body only", "idempotency-mismatch", ""),
     SOURCE_RULE,
+    SINK_RULE,
 )
 COMPLETE_RULES = (
     Rule("items come only from a job whose first stage fetches", "invalid-request",
@@ -566,6 +571,7 @@ def request_schemas() -> dict[str, Any]:
     flow["stages"]["description"] = ("stage names are unique; only the first stage may fetch; each "
                                      "stage's max_run is at least its lease")
     flow["source"]["description"] = "the items: checked by their type (README, Sources)"
+    flow["sink"]["description"] = "where committed outputs go: checked by their type (README, Result sinks)"
     defs["Stage"]["properties"]["target"]["description"] = (
         "push mode: the platform workflow batchgate triggers, checked by its type (connectors/)")
     defs["CompleteRequest"]["properties"]["items"]["description"] = (
