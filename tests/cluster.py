@@ -31,7 +31,9 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        return f"redis+cluster://127.0.0.1:{self.ports[0]}/0"
+        """Every node as a startup node: a process starting while one is down (killed in a failover
+        test) still joins."""
+        return f"redis+cluster://{','.join(f'127.0.0.1:{port}' for port in self.ports)}/0"
 
     @property
     def master_ports(self) -> list[int]:
@@ -133,10 +135,39 @@ class LocalCluster:
 
         return RedisCluster(host="127.0.0.1", port=self.ports[0], decode_responses=True)
 
+    def live_masters(self) -> list[int]:
+        """The ports of the masters now (after a failover, not ``master_ports``)."""
+        for port, proc in self.procs.items():
+            if proc.poll() is None:
+                with self.node(port) as n:
+                    try:
+                        return sorted({int(r[2][1]) for r in _slot_map(n)})
+                    except redis.RedisError:
+                        continue
+        raise RuntimeError("local cluster: no node answers")
+
     def flushall(self) -> None:
-        for port in self.master_ports:
+        for port in self.live_masters():
             with self.node(port) as n:
                 n.flushall()
+
+    def wait_replicated(self, timeout_s: float = 60.0) -> None:
+        """Until every node agrees on cluster_state:ok and each master has a linked replica again
+        (after a failover and the old master's restart)."""
+        def ok() -> bool:
+            masters = self.live_masters()
+            for port, proc in self.procs.items():
+                if proc.poll() is None:
+                    with self.node(port) as n:
+                        if n.execute_command("CLUSTER INFO").get("cluster_state") != "ok":
+                            return False
+            for port in masters:
+                with self.node(port) as n:
+                    if int(n.info("replication").get("connected_slaves", 0)) < self.replicas:
+                        return False
+            return True
+
+        self._wait(ok, "the cluster healed", timeout_s)
 
     def stop(self) -> None:
         for proc in self.procs.values():

@@ -108,6 +108,34 @@ def api(settings, redis_client):
     stop()
 
 
+# -- a local Redis Cluster (tests/cluster.py) ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A local Redis Cluster of 3 masters and 3 replicas, started once for the module that asks."""
+    from tests.cluster import LocalCluster
+
+    found = LocalCluster(tmp_path_factory.mktemp("cluster")).start()
+    yield found
+    found.stop()
+
+
+@pytest.fixture
+def cluster_settings(cluster, redis_server, tmp_path):
+    # RQ cannot run on a cluster: the push queue lives on the plain test Redis
+    return Settings(redis_url=cluster.url, queue_redis_url=redis_server.url, data_dir=tmp_path / "data",
+                    tokens={TOKEN: "acme", OTHER_TOKEN: "globex"}, source_roots={"*": [str(tmp_path)]})
+
+
+@pytest.fixture
+def cluster_client(cluster, cluster_settings):
+    """A RedisCluster client on an emptied cluster."""
+    cluster.flushall()
+    client = client_for(cluster.url, cluster_settings)
+    yield client
+    client.close()
+
+
 #: Test files that take minutes, started first: the suite runs files in parallel worker processes
 #: (scripts/test, pytest-xdist --dist loadfile, files handed out in collection order), and one of these
 #: collected last (test_soak sorts late) left a single worker running it alone for minutes at the end.

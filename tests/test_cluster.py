@@ -8,32 +8,9 @@ import pytest
 from gateway.ledger.embedded import client_for
 from gateway.settings import Settings
 from tests.cluster import LocalCluster
-from tests.conftest import TOKEN, OTHER_TOKEN
+from tests.conftest import TOKEN
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A local Redis Cluster of 3 masters and 3 replicas, started once for the module."""
-    found = LocalCluster(tmp_path_factory.mktemp("cluster")).start()
-    yield found
-    found.stop()
-
-
-@pytest.fixture
-def cluster_settings(cluster, redis_server, tmp_path):
-    # RQ cannot run on a cluster: the push queue lives on the plain test Redis
-    return Settings(redis_url=cluster.url, queue_redis_url=redis_server.url, data_dir=tmp_path / "data",
-                    tokens={TOKEN: "acme", OTHER_TOKEN: "globex"}, source_roots={"*": [str(tmp_path)]})
-
-
-@pytest.fixture
-def cluster_client(cluster, cluster_settings):
-    cluster.flushall()
-    client = client_for(cluster.url, cluster_settings)
-    yield client
-    client.close()
 
 
 @pytest.fixture
@@ -51,6 +28,24 @@ def test_the_client_is_a_redis_cluster(cluster_client):
 
     assert isinstance(cluster_client, RedisCluster)
     assert len(cluster_client.get_primaries()) == 3 and len(cluster_client.get_replicas()) == 3
+
+
+def test_a_url_may_name_several_startup_nodes_and_one_down_is_passed_over(cluster, cluster_settings):
+    """A process starting while a node its URL names is down (a master killed in a failover) joins
+    through the next one; a URL naming one dead node cannot."""
+    import redis
+
+    from gateway.ledger.embedded import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+    live = ",".join(f"127.0.0.1:{port}" for port in cluster.ports[1:3])
+    client = client_for(f"redis+cluster://{dead},{live}/0", cluster_settings)
+    try:
+        assert client.ping() and len(client.get_primaries()) == 3
+    finally:
+        client.close()
+    with pytest.raises(redis.exceptions.RedisClusterException):
+        client_for(f"redis+cluster://{dead}/0", cluster_settings)
 
 
 def test_a_pull_job_runs_to_the_end_through_the_api(cluster_api):

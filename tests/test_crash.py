@@ -54,9 +54,9 @@ def assert_exactly_once(client, ledger, job_id, acked, total_items, batches):
 class GatewayProcess:
     """gunicorn serving the app, as in production, restartable on the same port."""
 
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, redis_url: str, settings: Settings | None = None) -> None:
         self.port = free_port()
-        self.env = procs.child_env(Settings(), redis_url, {TOKEN: "acme"})
+        self.env = procs.child_env(settings or Settings(), redis_url, {TOKEN: "acme"})
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc = None
 
@@ -97,28 +97,39 @@ def http_worker(base: str, job_id: str, acked: list, done: threading.Event) -> N
 
 
 def test_gateway_sigkill_during_completions_loses_and_doubles_nothing(redis_server, redis_client, settings):
-    ledger = Ledger(redis_client, settings)
-    gw = GatewayProcess(redis_server.url)
-    gw.start()
-    sup = Supervisor(Ledger(client_for(redis_server.url), settings.model_copy(
-        update={"supervisor_interval": timedelta(seconds=0.05)})))
-    sup_thread = threading.Thread(target=sup.run, daemon=True)
-    sup_thread.start()
+    gateway_kills(redis_server.url, redis_client, settings, gateways=1, supervisors=1)
+
+
+def gateway_kills(redis_url: str, client, settings: Settings, gateways: int, supervisors: int) -> None:
+    """Pull workers over HTTP (four, spread over ``gateways`` gunicorn gateways) complete a 300-item
+    job while ``supervisors`` supervisors watch it; a gateway is SIGKILLed and started again after 60
+    and after 180 acknowledged commits (the first, then the next one). Reused on a Redis Cluster
+    (tests/test_cluster_crash.py)."""
+    ledger = Ledger(client, settings)
+    gws = [GatewayProcess(redis_url, settings) for _ in range(gateways)]
+    for gw in gws:
+        gw.start()
+    sups = [Supervisor(Ledger(client_for(redis_url, settings), settings.model_copy(
+        update={"supervisor_interval": timedelta(seconds=0.05)})), name=f"crash-{i}")
+        for i in range(supervisors)]
+    for sup in sups:
+        threading.Thread(target=sup.run, daemon=True).start()
     acked: list = []
     done = threading.Event()
     try:
         s = requests.Session()
         s.headers["Authorization"] = f"Bearer {TOKEN}"
-        s.post(f"{gw.base}/v1/flows", json=FLOW, timeout=5).raise_for_status()
-        job = s.post(f"{gw.base}/v1/jobs", json={"flow_id": "crashy",
+        s.post(f"{gws[0].base}/v1/flows", json=FLOW, timeout=5).raise_for_status()
+        job = s.post(f"{gws[-1].base}/v1/jobs", json={"flow_id": "crashy",
                      "source": {"type": "sequence", "count": 300}}, timeout=5).json()
-        workers = [threading.Thread(target=http_worker, args=(gw.base, job["job_id"], acked, done))
-                   for _ in range(4)]
+        workers = [threading.Thread(target=http_worker, args=(gws[i % gateways].base, job["job_id"], acked,
+                                                              done)) for i in range(4)]
         for w in workers:
             w.start()
-        for threshold in (60, 180):
+        for n, threshold in enumerate((60, 180)):
             while len(acked) < threshold:
                 time.sleep(0.01)
+            gw = gws[n % gateways]
             gw.kill()
             time.sleep(0.3)
             gw.start()
@@ -127,9 +138,11 @@ def test_gateway_sigkill_during_completions_loses_and_doubles_nothing(redis_serv
             time.sleep(0.05)
     finally:
         done.set()
-        sup.stop.set()
-        gw.stop()
-    assert_exactly_once(redis_client, ledger, job["job_id"], acked, total_items=300, batches=150)
+        for sup in sups:
+            sup.stop.set()
+        for gw in gws:
+            gw.stop()
+    assert_exactly_once(client, ledger, job["job_id"], acked, total_items=300, batches=150)
 
 
 def test_redis_sigkill_and_restart_from_aof_loses_no_acknowledged_commit(tmp_path, settings, make_job):

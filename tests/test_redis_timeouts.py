@@ -114,3 +114,65 @@ def test_cluster_mode_without_a_queue_redis_refuses_to_start_naming_the_setting(
             connect(settings)
         with pytest.raises(ClusterQueueMissing, match="BATCHGATE_QUEUE_REDIS_URL"):
             queue_client_for(settings)
+
+
+class ReplyLosingProxy(FreezingProxy):
+    """A proxy that, once armed, forwards the next script call (EVALSHA) but swallows every reply on that
+    connection from then on (the connection stays open): the call ran in Redis and its client times out
+    waiting for the answer."""
+
+    def __init__(self, port: int) -> None:
+        self.armed = threading.Event()
+        self.deaf: set[int] = set()  # the client sockets whose replies are swallowed
+        super().__init__(port)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        replies = src.getpeername()[1] == self.target  # upstream -> client
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            if not replies and self.armed.is_set() and b"EVALSHA" in data.upper():
+                self.armed.clear()
+                self.deaf.add(id(src))
+            if replies and id(dst) in self.deaf:
+                continue
+            dst.sendall(data)
+
+
+def test_a_commit_whose_reply_is_lost_is_sent_again_and_answered_once(tcp_redis, tmp_path):
+    """The read timeout after a complete that did commit: the ledger sends the call again with its
+    journal key, gets the first answer (committed, not a 409 and not a duplicate), and the batch is
+    committed once: one stage_completed, one done batch."""
+    from gateway.ledger.flows import FlowRegistry, parse_flow
+    from gateway.ledger.jobs import JobRequest, JobService
+    from gateway.ledger.ledger import Ledger
+
+    proxy = ReplyLosingProxy(tcp_redis)
+    try:
+        settings = Settings(redis_url=f"redis://127.0.0.1:{proxy.port}/0", redis_read_timeout=0.5,
+                            data_dir=tmp_path)
+        client = client_for(settings.redis_url.get_secret_value(), settings)
+        ledger = Ledger(client, settings)
+        service = JobService(ledger, FlowRegistry(client, ledger.keys))
+        service.flows.register("acme", parse_flow({"id": "f", "version": "1", "batching": {"max_items": 2},
+                                                   "stages": [{"name": "s"}],
+                                                   "source": {"type": "sequence", "count": 4}}))
+        job_id = service.create("acme", JobRequest(flow_id="f"))["job_id"]
+        warm = ledger.lease(job_id)  # Redis has every script of a step loaded from here on
+        ledger.complete(job_id, warm.seq, warm.lease_token, {"ok": True})
+        lease = ledger.lease(job_id)
+        proxy.armed.set()
+        started = time.monotonic()
+        done = ledger.complete(job_id, lease.seq, lease.lease_token, {"ok": True})
+        assert time.monotonic() - started >= 0.5  # it did wait out a read timeout
+        assert done["status"] == "committed" and done["duplicate"] is False and not proxy.armed.is_set()
+        log = client.xrange(ledger.keys.job(job_id).log)
+        completed = [e for _, e in log if e.get("event") == "stage_completed"]
+        assert [e["seq"] for e in completed] == [str(warm.seq), str(lease.seq)]
+        assert ledger.job_fields(job_id)["n_done"] == "2"
+    finally:
+        proxy.close()

@@ -106,18 +106,21 @@ def complete(job_id: str, seq: int):
         opened = services.ledger.open_platform_approval(job_id, seq, req.lease_token, req.prompt,
                                                         timeout=timeout)
         return jsonify({"job_id": job_id, "seq": seq, "status": "waiting_human", **opened})
-    done = services.ledger.complete(job_id, seq, req.lease_token, req.output, req.next_cursor, req.items)
     if not req.lease_next:
-        return jsonify(done)
-    # the commit stands whatever happens next; the lease counts against the tenant's lease quota as a
-    # POST /lease would, and a refusal is no error of the commit: next is null, Retry-After says when
+        return jsonify(services.ledger.complete(job_id, seq, req.lease_token, req.output, req.next_cursor,
+                                                req.items))
+    # the lease counts against the tenant's lease quota as a POST /lease would (asked first, so that a
+    # step is one script when allowed); a refusal is no error of the commit: next is null, Retry-After
+    # says when
     try:
         request_quotas().admit_lease(g.tenant)
     except QuotaExceeded as exc:
+        done = services.ledger.complete(job_id, seq, req.lease_token, req.output, req.next_cursor, req.items)
         wait = int(exc.retry_after.total_seconds()) if exc.retry_after else 1
         return jsonify({**done, "next": None}), 200, {"Batchgate-Job-Status": "running",
                                                       "Retry-After": str(max(1, wait))}
-    leased = services.ledger.lease(job_id, req.next_stage)
+    done, leased = services.ledger.complete_and_lease(job_id, seq, req.lease_token, req.output,
+                                                      req.next_cursor, req.items, stage=req.next_stage)
     if leased is None:
         status = services.ledger.job_fields(job_id)["status"]
         return jsonify({**done, "next": None}), 200, {"Batchgate-Job-Status": status}

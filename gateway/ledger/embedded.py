@@ -125,7 +125,9 @@ def client_for(url: str, settings: Settings | None = None, *,
 
     A cluster URL (``redis+cluster://host:port``, or any URL with BATCHGATE_REDIS_CLUSTER=1) gives a
     ``RedisCluster``: it has the same commands, scripts and (single-slot) pipelines; docs/design.md,
-    Cluster, says what batchgate keeps in one slot for it."""
+    Cluster, says what batchgate keeps in one slot for it. It may name several startup nodes
+    (``redis+cluster://h1:p1,h2:p2/0``): the client asks them in turn for the cluster's layout, so a
+    process starting while one of them is down still joins."""
     s = settings or Settings.model_construct()
     options = dict(decode_responses=True, encoding_errors="surrogateescape",
                    socket_connect_timeout=_seconds(s, "redis_connect_timeout", 5.0),
@@ -134,10 +136,32 @@ def client_for(url: str, settings: Settings | None = None, *,
     if is_cluster(url, settings):
         from redis.cluster import RedisCluster
 
-        scheme, rest = url.split("://", 1)
-        plain = f"{CLUSTER_SCHEMES.get(scheme.lower(), scheme)}://{rest}"
-        return RedisCluster.from_url(plain, **options)
+        first, others = startup_nodes(url)
+        return RedisCluster(url=first, startup_nodes=others, **options)
     return redis.Redis.from_url(url, **options)
+
+
+def startup_nodes(url: str) -> tuple[str, list]:
+    """A cluster URL's first node as a plain URL (credentials, TLS and query kept) and the other
+    nodes it names (``h1:p1,h2:p2``) as redis-py ClusterNodes."""
+    from redis.cluster import ClusterNode
+
+    scheme, rest = url.split("://", 1)
+    scheme = CLUSTER_SCHEMES.get(scheme.lower(), scheme)
+    end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    auth, at, hosts = rest[:end].rpartition("@")
+    first, *others = hosts.split(",")
+    return f"{scheme}://{auth}{at}{first}{rest[end:]}", [ClusterNode(*_host_port(n)) for n in others]
+
+
+def _host_port(node: str) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port`` or a bare host (port 6379)."""
+    if node.startswith("["):
+        host, _, rest = node[1:].partition("]")
+        port = rest.removeprefix(":")
+    else:
+        host, _, port = node.partition(":")
+    return host, int(port or 6379)
 
 
 def queue_client_for(settings: Settings) -> redis.Redis:
@@ -328,6 +352,35 @@ def recorded_url(data_dir: Path) -> str | None:
     return url
 
 
+#: what a cluster client raises while no startup node answers, or the cluster is not serving every slot
+#: yet (its nodes restarting): worth waiting for, unlike a wrong URL
+_CLUSTER_NOT_UP = ("Redis Cluster cannot be connected", "slots are not covered")
+CLUSTER_WAIT_MAX_S = 2.0  # longest wait between two tries
+CLUSTER_WAIT_LOG_S = 30.0  # while no node answers, one warning this often
+
+
+def cluster_client_when_up(url: str, settings: Settings) -> redis.Redis:
+    """``client_for(url)`` for a cluster, waiting while it cannot be reached. A cluster client asks its
+    startup nodes for the cluster's layout when it is made (a plain client connects on first use), so a
+    process started while every node it names is down would exit; on a plain Redis it starts and waits
+    (answering 503, or retrying its loop). This makes the cluster the same: it waits here."""
+    from redis.exceptions import RedisClusterException
+
+    delay, logged = 0.1, 0.0
+    while True:
+        try:
+            return client_for(url, settings)
+        except (RedisClusterException, redis.ConnectionError, redis.TimeoutError) as exc:
+            if isinstance(exc, RedisClusterException) and not any(m in str(exc) for m in _CLUSTER_NOT_UP):
+                raise
+            if time.monotonic() - logged > CLUSTER_WAIT_LOG_S:
+                log.warning("Redis Cluster unavailable (%s): waiting for a startup node to answer",
+                            type(exc).__name__)
+                logged = time.monotonic()
+            time.sleep(delay)
+            delay = min(delay * 2, CLUSTER_WAIT_MAX_S)
+
+
 def connect(settings: Settings) -> tuple[redis.Redis, Settings]:
     """The ledger's Redis, and ``settings`` naming its URL.
 
@@ -336,10 +389,12 @@ def connect(settings: Settings) -> tuple[redis.Redis, Settings]:
     """
     if settings.redis_url is not None:
         url = settings.redis_url.get_secret_value()
-        if is_cluster(url, settings) and settings.queue_redis_url is None:
-            raise NoLedgerRedis(
-                "BATCHGATE_REDIS_URL names a Redis Cluster, where RQ (the push queue) cannot run: set "
-                "BATCHGATE_QUEUE_REDIS_URL to a plain (non-cluster) Redis as well")
+        if is_cluster(url, settings):
+            if settings.queue_redis_url is None:
+                raise NoLedgerRedis(
+                    "BATCHGATE_REDIS_URL names a Redis Cluster, where RQ (the push queue) cannot run: set "
+                    "BATCHGATE_QUEUE_REDIS_URL to a plain (non-cluster) Redis as well")
+            return cluster_client_when_up(url, settings), settings
         return client_for(url, settings), settings
     data_dir = Path(settings.data_dir).resolve()
     url = recorded_url(data_dir)

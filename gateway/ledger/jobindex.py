@@ -9,8 +9,9 @@ the page cursor at once, newest or oldest first, in O(log N + page) whatever the
 
 House rule (../shared/CONVENTIONS.md, habit 3): the index spans jobs, so no Lua script writes it. It is
 updated by Python, idempotently, right after every ledger script that names a job's record in its KEYS
-(``run``: the script and the reads of the job's status and its filed place go in one round trip; the
-index is written only when the two differ, which is only when the status changed). A write lost between
+(``run``: each script answers whether it moved the job's status; a step's scripts then read nothing
+more unless it did, the others send the reads of the job's status and its filed place in their own
+round trip; the index is written only when the two differ, which is only when the status changed). A write lost between
 the script and the index (a crash, Redis going away) heals three ways: a listing checks each job it
 returns against its record and files it again when it moved (``JobList``); the supervisor checks each
 active job it looks at (``check``: due jobs, and a few per pass round robin); ``rebuild`` regenerates a tenant's index from the roster and the records.
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -32,14 +35,25 @@ from gateway import metrics
 from gateway.ledger import due as due_index
 from gateway.ledger.keys import Keys
 from gateway.ledger.multi import multi
+from gateway.ledger.scripts import unwrap
 
 log = logging.getLogger(__name__)
 
 #: Scripts that commit a job's progress or decisions: with BATCHGATE_REDIS_WAIT_REPLICAS each is followed
 #: by WAIT. Leases, heartbeats and source failures are left out: losing one on a failover only repeats
 #: work (a lease runs out again), never loses a result.
-COMMITS = frozenset({"plan", "complete", "fail", "expire", "reopen", "replan", "set_status", "cancel",
+COMMITS = frozenset({"plan", "complete", "complete_lease", "fail", "expire", "reopen", "replan", "set_status", "cancel",
                      "begin", "outage", "unwait", "handle", "decide", "open_approval"})
+
+#: The scripts of every step (a lease and its commit or failure): their runs skip the read-back of the
+#: job's status unless they moved it (JobIndex.run). None of them can bring a job's due time earlier
+#: without a status change except by leasing, and a lease's due time is sent with it (due.hinted).
+#: A script call whose connection times out or drops is sent again (same journal key) this many times,
+#: RETRY_PAUSE_S more apart each time, before the error reaches the caller.
+RETRIES = 3
+RETRY_PAUSE_S = 0.2
+
+FAST = frozenset({"lease", "plan", "complete", "complete_lease", "fail", "heartbeat"})
 
 STATUSES = ("running", "paused", "held", "waiting_human", "succeeded", "failed", "cancelled")
 INDEX_FORMAT = "1"  # bump when the index's members or keys change: the supervisor then rebuilds it
@@ -145,9 +159,21 @@ class JobIndex:
                 return key[len(head):-len(tail)]
         return None
 
-    def run(self, script: Any, job_id: str, keys: list, args: list) -> Any:
-        """Run a job's script and, in the same round trip, read the job's status and where the index
-        filed it; file it again if they differ. The script's answer is returned (or raised) as is."""
+    def run(self, script: Any, job_id: str, keys: list, args: list, call_id: str | None = None) -> Any:
+        """Run a job's script and keep the job index and the due index following it.
+
+        A script answers whether it moved the job's status (scripts.observed_source). The per-step
+        scripts (FAST: lease, plan, complete, fail, heartbeat) of a job without approval stages go alone,
+        with the due hint of a lease (due.py) in the same round trip: nothing else can have changed for
+        the indexes unless the status moved, and then a second round trip reads the status and where the
+        index filed it and files it again (one per status change, a few per job). Every other script
+        (control actions, push-mode and approval scripts: rarer, and some move what the indexes read
+        without a status change) sends those reads in its own round trip, as before. The script's answer
+        is returned (or raised) as is.
+
+        Each call has a journal key (``call_id``, random unless given; scripts.observed_source): a call
+        whose connection times out or drops is sent again with the same key, up to RETRIES times, and a
+        script that had taken effect answers with its first answer instead of running twice."""
         try:
             spec = self.spec_of(job_id)
             tenant, gated = spec.tenant, bool(spec.flow.gates())
@@ -159,33 +185,64 @@ class JobIndex:
         # the due entry, lowered without a second round trip where the caller knows how (due.py): a
         # lease's deadline; a job with approval stages is due now after any script
         hint = due_index.now_ms() if gated else due_index.hint_for(job_id)
-        for loaded in (False, True):
+        fast = operation in FAST and not gated
+        argv = [k.call(call_id or secrets.token_urlsafe(12)), *args]
+        loaded, tries = False, 0
+        while True:
             pipe = self.r.pipeline(transaction=False)
-            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # a cluster pipeline
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *argv)  # a cluster pipeline
             if wait is not None:  # blocks .evalsha; WAIT follows the script on its connection
                 pipe.execute_command("WAIT", *wait, **self._node_of(k.job))
             if hint is not None:
                 pipe.zadd(self.keys.due, {job_id: hint}, lt=True)
-            pipe.hget(self.keys.job_index_meta(tenant), job_id)
-            # status and created_ms (the index), and when the supervisor must look at it next (due.py)
-            due_index.probe(pipe, self.keys, job_id, approvals=gated)
-            res, *replies = pipe.execute(raise_on_error=False)
-            if isinstance(res, NoScriptError) and not loaded:  # a restarted Redis: nothing ran
+            if not fast:
+                self._probe(pipe, tenant, job_id, gated)
+            try:
+                answer, *replies = pipe.execute(raise_on_error=False)
+            except (redis.exceptions.TimeoutError, redis.exceptions.ConnectionError) as exc:
+                tries += 1
+                if tries > RETRIES:
+                    raise
+                # the script may have run: the same journal key makes the repeat answer its first answer
+                log.warning("ledger script %s: %s; sending it again (%s of %s) job_id=%s", operation,
+                            type(exc).__name__, tries, RETRIES, job_id)
+                time.sleep(RETRY_PAUSE_S * tries)
+                continue
+            if isinstance(answer, NoScriptError) and not loaded:  # a restarted Redis: nothing ran
                 self.r.script_load(_text(script))
+                loaded = True
                 continue
             break
         acked = replies.pop(0) if wait is not None else None
         if hint is not None:
             replies.pop(0)
-        filed, *probed = replies
-        truth = probed[0] if isinstance(probed[0], Exception) else (probed[0][0], probed[0][2])
-        if isinstance(res, Exception):
-            raise res
+        if isinstance(answer, Exception):
+            raise answer
+        res, moved = unwrap(answer)
         if wait is not None and (not isinstance(acked, int) or acked < wait[0]):
             metrics.REDIS_WAIT_SHORT.labels(operation).inc()
             log.warning("commit acknowledged by %s of %s replicas within %s ms (it stands on the master; "
                         "a failover now would lose it) operation=%s job_id=%s",
                         acked if isinstance(acked, int) else "?", wait[0], wait[1], operation, job_id)
+        if fast and not moved:
+            return res  # the usual step: the status stayed, so did the index; due only came later
+        if fast:  # the status moved: read what the indexes need, in a round trip of its own
+            pipe = self.r.pipeline(transaction=False)
+            self._probe(pipe, tenant, job_id, gated)
+            replies = pipe.execute(raise_on_error=False)
+        self._follow(tenant, job_id, gated, replies)
+        return res
+
+    def _probe(self, pipe: Any, tenant: str, job_id: str, gated: bool) -> None:
+        """Queue the reads `_follow` needs: where the index filed the job, and due.py's probe."""
+        pipe.hget(self.keys.job_index_meta(tenant), job_id)
+        # status and created_ms (the index), and when the supervisor must look at it next (due.py)
+        due_index.probe(pipe, self.keys, job_id, approvals=gated)
+
+    def _follow(self, tenant: str, job_id: str, gated: bool, replies: list) -> None:
+        """File the job again and lower its due entry as `_probe`'s answers say (after a script)."""
+        filed, *probed = replies
+        truth = probed[0] if isinstance(probed[0], Exception) else (probed[0][0], probed[0][2])
         try:
             self._after(tenant, job_id, truth, filed)
         except Exception:  # noqa: BLE001 - the script committed; the supervisor and listings heal it
@@ -194,7 +251,6 @@ class JobIndex:
             self.due.after_script(job_id, probed, gated=gated)
         except Exception:  # noqa: BLE001 - the script committed; the supervisor's sweep heals it
             log.warning("due index: update after a script failed job_id=%s", job_id, exc_info=True)
-        return res
 
     def _node_of(self, key: str) -> dict[str, Any]:
         """On a cluster, the master serving ``key`` (a keyless WAIT goes where the script went)."""

@@ -69,6 +69,9 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
 ``<p>:due``                           zset    active job id -> when the supervisor must next look at
                                               it (first lease or approval deadline; now to retire;
                                               +inf: nothing due); due.py, a cache of the job's keys
+``<p>:creating``                      zset    cluster mode: job id -> ms its creation began, until
+                                              its roster, index, active and due entries are written
+                                              (creations.py; the supervisor repairs stale entries)
 ``<p>:idem:<tenant>:<sha256>``        hash    Idempotency-Key record; TTL ``idempotency_ttl``
 ``<p>:idemclaim:<tenant>:<sha256>``   string  first claim of that key (request fingerprint)
 ``<p>:sub:<id>``                      hash    a webhook subscription (tenant, url, events, secret)
@@ -161,6 +164,10 @@ class JobKeys:
     @property
     def events(self) -> str:
         return f"{self._base}:events"
+
+    def call(self, call_id: str) -> str:
+        """The first answer of one script call (scripts.observed_source), kept for JOURNAL_MS."""
+        return f"{self._base}:call:{call_id}"
 
     @property
     def plan_lock(self) -> str:
@@ -264,6 +271,10 @@ class Keys:
     @property
     def due(self) -> str:
         return f"{self.prefix}:due"
+
+    @property
+    def creating(self) -> str:
+        return f"{self.prefix}:creating"
 
     def idempotency(self, tenant: str, key: str) -> str:
         digest = hashlib.sha256(key.encode()).hexdigest()

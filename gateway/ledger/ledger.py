@@ -30,6 +30,7 @@ from gateway.errors import (
 from gateway.ledger import due as due_index
 from gateway.ledger.approvals import ApprovalOps, Approvals, gate_keys, gates_arg
 from gateway.ledger.control import ControlOps
+from gateway.ledger.creations import CreationJournal
 from gateway.ledger.jobindex import Filed, JobIndex
 from gateway.ledger.jobspec import JobSpec, RedisListView
 from gateway.ledger.keys import JobKeys, Keys
@@ -99,6 +100,7 @@ class Ledger(ControlOps, ApprovalOps):
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.index = JobIndex(client, self.keys, self.spec)  # follows every job script's status change
+        self.creations = CreationJournal(self.index, self.cancel)  # cluster: creations cut between slots
         if settings.redis_wait_replicas:  # durable commits: WAIT after each (JobIndex.run)
             self.index.wait = (settings.redis_wait_replicas,
                                int(settings.redis_wait_timeout.total_seconds() * 1000))
@@ -220,6 +222,7 @@ class Ledger(ControlOps, ApprovalOps):
             "n_open": "0", "n_done": "0", "n_failed": "0", "items_done": "0", "error": "",
             "src_failures": "0", "src_error": "", "src_retry_ms": "0", "held_reason": "",
         }
+        self.creations.begin(spec.job_id, int(now))  # cluster: the MULTI below is one per slot
         pipe = multi(self.r)
         for start in range(0, len(inline_items or []), 1000):
             pipe.rpush(k.src, *[dumps(i) for i in inline_items[start:start + 1000]])
@@ -237,6 +240,7 @@ class Ledger(ControlOps, ApprovalOps):
             pipe.sadd(self.keys.sink_jobs, spec.job_id)
         pipe.zadd(self.keys.due, {spec.job_id: float("inf")})  # watched; nothing due until a lease
         pipe.execute()
+        self.creations.end(spec.job_id)
         log.info("job created job_id=%s flow=%s@%s", spec.job_id, spec.flow.id, spec.flow.version)
 
     # -- pull mode -------------------------------------------------------------------------
@@ -249,7 +253,8 @@ class Ledger(ControlOps, ApprovalOps):
         spec = self.spec(job_id)
         return self.lease_stages(job_id, self._stage_filter(spec, stage))
 
-    def lease_stages(self, job_id: str, stages: list[int], lease_ms: int | None = None) -> Lease | None:
+    def lease_stages(self, job_id: str, stages: list[int], lease_ms: int | None = None,
+                     first: tuple[list, str, str, int] | None = None) -> Lease | None:
         """Lease the next ready batch at one of ``stages`` (indices); None only when nothing is ready.
 
         ``lease_ms`` overrides the stage's lease length (push mode: the dispatch queue timeout, until
@@ -259,25 +264,23 @@ class Ledger(ControlOps, ApprovalOps):
         one script); two when batches must be planned first (lease.lua takes the plan lock and says where
         to read, plan.lua records up to ``plan_ahead`` batches and leases the first). A caller that finds
         another one planning waits for its batches, for up to LEASE_PATIENCE_S, so a lost race never
-        surfaces as "nothing ready".
+        surfaces as "nothing ready". ``first`` is lease.lua's answer already had (complete_and_lease),
+        with the lease token, plan lock holder and read-ahead it was asked with.
         """
         if not stages:
             return None
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
-        keys, fixed, pairs = self._lease_call(spec, k, tuple(stages), lease_ms)
-        plans = 0 in stages
-        ahead = self._plan_ahead(spec) if plans else 0
-        inline = plans and spec.source["type"] == "inline"
-        prefetch = ahead * spec.flow.batching.max_items + 1 if inline else 0  # the items plans read
         patience = time.monotonic() + LEASE_PATIENCE_S
         pause = 0.001
         while True:
-            token = secrets.token_urlsafe(16)
-            holder = token if plans else ""  # the plan lock's holder: this lease's random token
-            with due_index.hinted(job_id, min(pairs[2::2])):  # its due entry, in the same round trip
-                res = self.scripts.lease(keys=keys, args=[token, *fixed, holder, PLAN_LOCK_MS, prefetch,
-                                                          *pairs])
+            if first is not None:
+                res, token, holder, ahead = first
+                first = None
+            else:
+                keys, args, token, holder, ahead = self._lease_args(spec, tuple(stages), lease_ms)
+                with due_index.hinted(job_id, self._min_lease(args)):  # its due entry, same round trip
+                    res = self.scripts.lease(keys=keys, args=args)
             tag = res[0]
             if tag == "ok":
                 _, seq, idx, attempt, deadline, start, end, items, prev, gen = res
@@ -301,6 +304,24 @@ class Ledger(ControlOps, ApprovalOps):
             if time.monotonic() > patience:
                 log.warning("lease gave up waiting for a planner job_id=%s", job_id)
                 return None
+
+    def _lease_args(self, spec: JobSpec, stages: tuple[int, ...],
+                    lease_ms: int | None) -> tuple[list[str], list[Any], str, str, int]:
+        """lease.lua's KEYS and ARGV for one call (a fresh lease token, which is also the plan lock's
+        holder when the first stage is offered), with the token, holder and read-ahead."""
+        keys, fixed, pairs = self._lease_call(spec, self.keys.job(spec.job_id), stages, lease_ms)
+        plans = 0 in stages
+        ahead = self._plan_ahead(spec) if plans else 0
+        inline = plans and spec.source["type"] == "inline"
+        prefetch = ahead * spec.flow.batching.max_items + 1 if inline else 0  # the items plans read
+        token = secrets.token_urlsafe(16)
+        holder = token if plans else ""  # the plan lock's holder: this lease's random token
+        return keys, [token, *fixed, holder, PLAN_LOCK_MS, prefetch, *pairs], token, holder, ahead
+
+    @staticmethod
+    def _min_lease(args: list[Any]) -> int:
+        """The shortest lease length among lease.lua's (stage, lease ms) pairs (ARGV[10..])."""
+        return min(args[10::2])
 
     def _lease_call(self, spec: JobSpec, k: JobKeys, stages: tuple[int, ...],
                     lease_ms: int | None) -> tuple[list[str], list[Any], list[Any]]:
@@ -462,6 +483,42 @@ class Ledger(ControlOps, ApprovalOps):
         A fetching first stage gives the batch its items in ``items``, or as ``output["items"]``.
         """
         spec = self.spec(job_id)
+        keys, args = self._complete_call(spec, seq, token, output, next_cursor, items, actor)
+        started = time.monotonic()
+        res = self.scripts.complete(keys=keys, args=args)
+        return self._completed(spec, seq, res, started)
+
+    def complete_and_lease(self, job_id: str, seq: int, token: str, output: Any,
+                           next_cursor: Any = ABSENT, items: list | None = None, actor: str = "worker",
+                           stage: str | None = None) -> tuple[dict[str, Any], Lease | None]:
+        """Commit the leased stage's output and lease the job's next ready pull stage (only ``stage``
+        if given), in one script and one round trip when a batch is ready: a pull loop's step.
+
+        The commit stands whatever the lease answers; the lease is as ``lease`` (planning a new batch
+        first, with a second round trip, when none is ready). Answers (as ``complete``, the next lease or
+        None)."""
+        spec = self.spec(job_id)
+        stages = self._stage_filter(spec, stage)
+        keys, args = self._complete_call(spec, seq, token, output, next_cursor, items, actor)
+        if not stages:  # no pull stage to lease: the commit alone
+            return self.complete(job_id, seq, token, output, next_cursor, items, actor), None
+        lkeys, largs, lease_token, holder, ahead = self._lease_args(spec, tuple(stages), None)
+        started = time.monotonic()
+        with due_index.hinted(job_id, self._min_lease(largs)):
+            both = self.scripts.complete_lease(keys=[*keys, *lkeys],
+                                               args=[len(keys), len(args), *args, *largs])
+        done = self._completed(spec, seq, both[0], started)
+        if both[1] is None:
+            return done, None
+        try:
+            return done, self.lease_stages(job_id, stages, first=(both[1], lease_token, holder, ahead))
+        except SourceUnavailable as exc:  # the commit stands: no next batch yet, a lease will say why
+            log.info("no next lease after a commit job_id=%s: %s", job_id, exc)
+            return done, None
+
+    def _complete_call(self, spec: JobSpec, seq: int, token: str, output: Any, next_cursor: Any,
+                       items: list | None, actor: str) -> tuple[list[str], list[Any]]:
+        """complete.lua's KEYS and ARGV."""
         fetches = spec.flow.stages[0].fetches
         if items is not None and not fetches:
             raise InvalidRequest("items may only be sent by a fetching first stage (fetches: true)")
@@ -469,16 +526,19 @@ class Ledger(ControlOps, ApprovalOps):
                        and isinstance(output.get("items"), list))
         if from_output:
             items = output["items"]
-        k = self.keys.job(job_id)
+        k = self.keys.job(spec.job_id)
         ready = self._ready_keys(spec)
-        started = time.monotonic()
-        res = self.scripts.complete(
-            keys=[k.job, k.batch(seq), k.items(seq), k.leases, k.done, k.log, *ready,
-                  k.approvals, k.approvals_due, *gate_keys(self, spec, seq), k.events],
-            args=[token, dumps(output), "" if next_cursor is ABSENT else dumps(next_cursor),
-                  "" if items is None else dumps(items), len(items or ()), spec.stage_count,
-                  self.settings.log_maxlen, spec.budget_total, spec.flow.tolerated_failure_percentage,
-                  "1" if from_output else "0", actor, gates_arg(spec, 9 + len(ready)), job_id, spec.tenant])
+        keys = [k.job, k.batch(seq), k.items(seq), k.leases, k.done, k.log, *ready,
+                k.approvals, k.approvals_due, *gate_keys(self, spec, seq), k.events]
+        args = [token, dumps(output), "" if next_cursor is ABSENT else dumps(next_cursor),
+                "" if items is None else dumps(items), len(items or ()), spec.stage_count,
+                self.settings.log_maxlen, spec.budget_total, spec.flow.tolerated_failure_percentage,
+                "1" if from_output else "0", actor, gates_arg(spec, 9 + len(ready)), spec.job_id, spec.tenant]
+        return keys, args
+
+    def _completed(self, spec: JobSpec, seq: int, res: list, started: float) -> dict[str, Any]:
+        """complete.lua's answer as the API gives it (or raised as a problem)."""
+        job_id = spec.job_id
         if res[0] == "duplicate":
             stage, attempt = int(res[1]), int(res[2])
         else:

@@ -151,8 +151,10 @@ class Supervisor:
     def tick(self) -> None:
         """One pass: look at the jobs the due index says are due (expire their due leases, time out
         approvals, retire finished jobs), then one step of each sweep (lost due entries; a few jobs
-        looked at in full, round robin). Its cost follows due work, not the number of active jobs."""
+        looked at in full, round robin). Its cost follows due work, not the number of active jobs.
+        First, on a cluster, jobs whose creation stopped between its slots are filed (creations.py)."""
         self.liveness.beat(force=True)
+        self.ledger.creations.repair(due_index.now_ms())  # cluster: creations cut between slots
         self._sweep_check()
         seen: set[str] = set()
         while not self.stop.is_set():

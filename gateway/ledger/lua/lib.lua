@@ -12,27 +12,78 @@ end
 
 -- Checksum of a record: sha1 over its 'name NUL value' entries in sorted order, joined by NUL;
 -- 'checksum' and 'corrupt' excluded. gateway/records.py computes the same digest in Python.
-local function digest(map)
-  local entries = {}
-  for name, value in pairs(map) do
-    if name ~= 'checksum' and name ~= 'corrupt' then entries[#entries + 1] = name .. '\0' .. value end
+-- seal(map) answers the digest with what it was made of: the sorted names, their entries and each
+-- name's place (sorting the names sorts the entries the same way: a name ends at its NUL, and Lua
+-- compares strings NUL segment by NUL segment).
+local function seal(map)
+  local names = {}
+  for name in pairs(map) do
+    if name ~= 'checksum' and name ~= 'corrupt' then names[#names + 1] = name end
   end
-  table.sort(entries)
-  return redis.sha1hex(table.concat(entries, '\0'))
+  table.sort(names)
+  local entries, pos = {}, {}
+  for i = 1, #names do
+    local name = names[i]
+    entries[i] = name .. '\0' .. map[name]
+    pos[name] = i
+  end
+  return redis.sha1hex(table.concat(entries, '\0')), {names = names, entries = entries, pos = pos}
 end
+
+local function digest(map)
+  return (seal(map))
+end
+
+-- Records this script loaded, by key: the map load returned and its seal. load answers a record loaded
+-- before from here (every write to a record goes through save, which keeps map and seal current, or
+-- marks it corrupt, which drops it from here), and save re-seals only the entries it changes.
+local LOADED = {}
 
 -- Load a hash as a table. Returns nil when absent, false when it fails its checksum
 -- (the record is then marked corrupt, which keeps it from running).
 local function load(key)
+  local known = LOADED[key]
+  if known then return known.map end
   local flat = redis.call('HGETALL', key)
   if #flat == 0 then return nil end
   local map = {}
   for i = 1, #flat, 2 do map[flat[i]] = flat[i + 1] end
-  if map['corrupt'] or map['checksum'] ~= digest(map) then
+  if map['corrupt'] then return false end
+  local sum, sealed = seal(map)
+  if map['checksum'] ~= sum then
     redis.call('HSET', key, 'corrupt', '1')
     return false
   end
+  sealed.map = map
+  LOADED[key] = sealed
   return map
+end
+
+-- The digest of ``map`` after ``changes`` were applied to it, from its seal where load made one (the
+-- changed entries replaced, new names put in their sorted place), else from scratch.
+local function reseal(key, map, changes)
+  local sealed = LOADED[key]
+  if not sealed or sealed.map ~= map then
+    LOADED[key] = nil  -- a record written whole (new), or from another table: loaded again if needed
+    return (seal(map))
+  end
+  local names, entries, pos = sealed.names, sealed.entries, sealed.pos
+  for name, value in pairs(changes) do
+    local i = pos[name]
+    if i then
+      entries[i] = name .. '\0' .. value
+    elseif name ~= 'checksum' and name ~= 'corrupt' then
+      local lo, hi = 1, #names + 1  -- the first place whose name sorts after this one
+      while lo < hi do
+        local mid = math.floor((lo + hi) / 2)
+        if names[mid] < name then lo = mid + 1 else hi = mid end
+      end
+      table.insert(names, lo, name)
+      table.insert(entries, lo, name .. '\0' .. value)
+      for j = lo, #names do pos[names[j]] = j end
+    end
+  end
+  return redis.sha1hex(table.concat(entries, '\0'))
 end
 
 -- The batch record held under ``token``, or the reply for a caller whose lease is not current:
@@ -70,6 +121,10 @@ local function job_event(map, old)
     'error', map['error'] or ''}
 end
 
+-- '1' once this script changed a job record's status (save); scripts.py's wrapper answers it beside the
+-- reply, so the job index is filed again only after a script that moved a status (jobindex.py run).
+local STATUS_MOVED = '0'
+
 -- Write changed fields and the new checksum in one HSET (and the job's event, see job_event).
 local function save(key, map, changes)
   local old = map['status']
@@ -81,8 +136,9 @@ local function save(key, map, changes)
   end
   map['checksum'] = nil
   args[#args + 1] = 'checksum'
-  args[#args + 1] = digest(map)
+  args[#args + 1] = reseal(key, map, changes)
   local event = job_event(map, old)
+  if map['n_open'] ~= nil and map['status'] ~= old then STATUS_MOVED = '1' end
   redis.call('HSET', key, unpack(args))
   if event then redis.call('XADD', OUTBOX, '*', unpack(event)) end
 end
@@ -127,6 +183,7 @@ end
 -- Mark the job corrupt (it never runs again until an operator looks) and say why in the log.
 local function refuse_corrupt(job_key, log_key, maxlen, why)
   redis.call('HSET', job_key, 'corrupt', '1')
+  LOADED[job_key] = nil
   log(log_key, maxlen, {'event', 'ledger_invariant_broken', 'error', why})
   return {'corrupt', why}
 end

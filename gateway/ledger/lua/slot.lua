@@ -6,8 +6,14 @@
 -- call through as a probe ({'probe'}; probe_ms marks it for the slot's lifetime). The probe's caller
 -- closes the breaker when the target answers (Dispatcher._target_ok) or outage.lua cools it down again.
 -- Invariant: at most <limit> calls to one target are in flight, across every worker process; at most
--- one while its breaker is open.
+-- one while its breaker is open. A repeat of a call that took a slot (the same holder, a retry after a
+-- timeout) answers what the first did, 'ok' or 'probe' (probe_by), and takes nothing more.
 local now = now_ms()
+local held = redis.call('ZSCORE', KEYS[1], ARGV[2])
+if held and tonumber(held) > now then
+  if redis.call('HGET', KEYS[2], 'probe_by') == ARGV[2] then return {'probe'} end
+  return {'ok'}
+end
 local b = redis.call('HMGET', KEYS[2], 'until_ms', 'probe_ms')
 local probe = false
 if b[1] then
@@ -15,12 +21,12 @@ if b[1] then
   if until_ms > now then return {'cooldown', until_ms - now} end
   local probing = tonumber(b[2] or '')
   if probing and probing > now then return {'cooldown', probing - now} end
-  redis.call('HSET', KEYS[2], 'probe_ms', now + tonumber(ARGV[3]))
+  redis.call('HSET', KEYS[2], 'probe_ms', now + tonumber(ARGV[3]), 'probe_by', ARGV[2])
   probe = true
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then
-  if probe then redis.call('HDEL', KEYS[2], 'probe_ms') end
+  if probe then redis.call('HDEL', KEYS[2], 'probe_ms', 'probe_by') end
   return {'full'}
 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
