@@ -864,7 +864,7 @@ class LedgerMachine(RuleBasedStateMachine):
         """Every key of the job but its log and audit streams (and the short-lived claim and plan lock);
         zsets by member only unless ``scores`` (the machine itself moves lease and ready scores: time)."""
         keys = sorted(k for k in self.r.keys(self.k.job.rsplit(":", 1)[0] + ":*")
-                      if not k.endswith((":log", ":audit", ":recover", ":planlock")))
+                      if not k.endswith((":log", ":audit", ":recover", ":planlock")) and ":call:" not in k)
         pipe = self.r.pipeline(transaction=False)
         for key in keys:
             pipe.type(key)
@@ -1046,6 +1046,8 @@ class LedgerMachine(RuleBasedStateMachine):
         for key, ttl in zip(keys, ttls, strict=True):
             if key.endswith((":recover", ":planlock")):
                 assert 0 < ttl <= 60_000, f"{key} of a {m.status} job: TTL {ttl}"
+            elif ":call:" in key:  # the call journal (scripts.JOURNAL_MS): each entry its own TTL
+                assert 0 < ttl <= 120_000, f"{key} of a {m.status} job: TTL {ttl}"
             elif m.status not in ("succeeded", "cancelled"):
                 assert ttl == -1, f"{key} of a {m.status} job expires in {ttl} ms"
 
