@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from werkzeug.wrappers import Request, Response
 from gateway.errors import InvalidRequest
 from gateway.ledger.embedded import EmbeddedRedis, client_for
 from gateway.ledger.flows import parse_flow
-from gateway.ledger.jobs import JobRequest, JobService
+from gateway.ledger.jobs import JobRequest, JobService, ResumeRequest
 from gateway.ledger.ledger import Ledger
 from gateway.ledger.results import compact_keys
 from gateway.push.sinks import SinkDeliverer
@@ -341,8 +342,7 @@ def test_a_fresh_commit_waits_out_the_grace_and_a_late_repeat_is_stale(ledger, j
     job_id = new_job(jobs, registry, {"type": "jsonl", "path": str(path)}, items=6, stages=("only",))
     lease = ledger.lease(job_id)
     first = ledger.complete(job_id, lease.seq, lease.lease_token, output(lease))
-    patient = Ledger(ledger.r, settings.model_copy(update={"sink_grace": __import__("datetime").timedelta(
-        seconds=60)}))
+    patient = Ledger(ledger.r, settings.model_copy(update={"sink_grace": timedelta(seconds=60)}))
     assert SinkDeliverer(patient).run_once() == 0  # within the grace: kept
     again = ledger.complete(job_id, lease.seq, lease.lease_token, output(lease))
     assert again == {**first, "duplicate": True}
@@ -406,8 +406,7 @@ def test_the_supervisor_delivers_while_it_runs(ledger, jobs, registry, tmp_path,
     from gateway.push.supervisor import Supervisor
 
     path = tmp_path / "out" / "r.jsonl"
-    fast = Ledger(ledger.r, settings.model_copy(update={"supervisor_interval": __import__("datetime")
-                                                        .timedelta(seconds=0.05)}))
+    fast = Ledger(ledger.r, settings.model_copy(update={"supervisor_interval": timedelta(seconds=0.05)}))
     job_id = new_job(jobs, registry, {"type": "jsonl", "path": str(path)}, items=9)
     drain(ledger, job_id, output)
     sup = Supervisor(fast, name="sup-sinks")
@@ -513,3 +512,52 @@ def test_rest_script_shrinks_a_job_at_rest_and_loses_no_audit_or_event(ledger, j
     assert ledger.r.pttl(k.events) == -1
     assert ledger.scripts.rest(**args) == ["ok"]  # again: the same
     assert ledger.r.xlen(k.log) == 5
+
+
+def test_a_rewind_after_compaction_runs_again_from_a_delivered_cursor(ledger, jobs, registry, tmp_path):
+    """Resume by cursor on a job whose records are summaries: the cursor comes from the sink's record
+    (a compacted batch's own cursors left Redis with it); the range runs again under new seqs and the
+    sink gets it as generation 1, after generation 0."""
+    path = tmp_path / "out" / "r.jsonl"
+    job_id = new_job(jobs, registry, {"type": "jsonl", "path": str(path)}, items=12, stages=("only",))
+    drain(ledger, job_id, output)
+    SinkDeliverer(ledger).run_once()
+    cursor = lines(path)[2]["cursor"]  # batch 2's start, as the sink has it
+    jobs.resume("acme", job_id, ResumeRequest(cursor=cursor, reason="redo from batch 2"), "op")
+    drain(ledger, job_id, output)
+    SinkDeliverer(ledger).run_once()
+    got = lines(path)
+    assert [(r["seq"], r["generation"], r["cursor"]["offset"]) for r in got] == [
+        (0, 0, 0), (1, 0, 3), (2, 0, 6), (3, 0, 9), (4, 1, 6), (5, 1, 9)]
+    rows = jobs.batches("acme", job_id, None, -1, 100)
+    assert [(r["first_seq"], r["last_seq"], r["generation"]) for r in rows] == [(0, 3, 0), (4, 5, 1)]
+    assert jobs.view("acme", job_id)["status"] == "succeeded"
+
+
+def test_a_failed_batch_holds_delivery_until_retry_failed_then_all_arrive_in_order(ledger, jobs, registry,
+                                                                                   tmp_path):
+    path = tmp_path / "out" / "r.jsonl"
+    flow = parse_flow({"id": "tolerant", "version": "1", "tolerated_failure_percentage": 50,
+                       "stages": [{"name": "only", "retry": {"maximum_attempts": 1}}],
+                       "batching": {"max_items": 3}, "concurrency": 100,
+                       "source": {"type": "sequence", "count": 12}})
+    registry.register("acme", flow)
+    job_id = jobs.create("acme", JobRequest(flow_id="tolerant", sink={"type": "jsonl", "path": str(path)}))[
+        "job_id"]
+    while (lease := ledger.lease(job_id)) is not None:
+        if lease.seq == 1:
+            ledger.fail(job_id, lease.seq, lease.lease_token, "boom", retryable=False)
+        else:
+            ledger.complete(job_id, lease.seq, lease.lease_token, output(lease))
+    assert jobs.view("acme", job_id)["status"] == "succeeded"  # within its budget
+    deliverer = SinkDeliverer(ledger)
+    deliverer.run_once()
+    assert [r["seq"] for r in lines(path)] == [0]  # batch 1 holds the watermark
+    view = jobs.view("acme", job_id)
+    assert view["sink"]["behind"] == 0 and view["committed_seq"] == 0
+    assert jobs.batch("acme", job_id, 3)["stages"]["only"]["output"] == {"stage": "only", "first": 9}  # kept
+    assert ledger.reopen(job_id, "op", only_failed=True) == 1
+    drain(ledger, job_id, output)
+    deliverer.run_once()
+    assert [r["seq"] for r in lines(path)] == [0, 1, 2, 3]
+    assert not any(ledger.r.exists(ledger.keys.job(job_id).batch(s)) for s in range(4))
