@@ -12,8 +12,8 @@ or a still-held claim) and record mode (the job is held) and release, supervisor
 a SIGKILLed and restarted Redis (AOF), a next job once one is final, and the result sink's delivery:
 a chunk of committed batches below the watermark written to the job's jsonl sink and compacted to range
 summaries (compact.lua), or the torn tail a deliverer killed mid-write leaves in the file. One more
-rule, enabled only when a job succeeded with failed batches its budget tolerated, retries them (a state the weighted actions
-reach too rarely to test the rule by). Jobs run over a ``sequence``
+rule, enabled only when a job succeeded with failed batches its budget tolerated, retries them (a state
+the weighted actions reach too rarely to test the rule by). Jobs run over a ``sequence``
 source of 5..40 items, 1..5 per batch, 1..3 stages, concurrency 1..6, 1..4 attempts per stage and a
 failure budget of 0..100 %, on a ledger that plans 1, 2, 3 or 16 batches at a time (``plan_ahead``: every
 action above also meets batches planned ahead but not leased yet).
