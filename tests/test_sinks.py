@@ -561,3 +561,27 @@ def test_a_failed_batch_holds_delivery_until_retry_failed_then_all_arrive_in_ord
     deliverer.run_once()
     assert [r["seq"] for r in lines(path)] == [0, 1, 2, 3]
     assert not any(ledger.r.exists(ledger.keys.job(job_id).batch(s)) for s in range(4))
+
+
+@pytest.mark.slow
+def test_delivery_and_compaction_on_a_redis_cluster(cluster_client, cluster_settings, tmp_path):
+    """compact.lua and rest.lua on a Redis Cluster (3 masters, 3 replicas: tests/cluster.py), the
+    deliverer's pipelines across slots, several jobs."""
+    from gateway.ledger.flows import FlowRegistry
+
+    (tmp_path / "out").mkdir()
+    settings = cluster_settings.model_copy(update={"sink_roots": {"*": [str(tmp_path / "out")]},
+                                                   "sink_grace": timedelta(0), "sink_chunk": 4})
+    ledger = Ledger(cluster_client, settings)
+    jobs = JobService(ledger, FlowRegistry(cluster_client, ledger.keys))
+    made = [new_job(jobs, jobs.flows, {"type": "jsonl", "path": str(tmp_path / "out" / "{job_id}.jsonl")},
+                    name=f"c{i}") for i in range(3)]
+    for job_id in made:
+        drain(ledger, job_id, output)
+    assert SinkDeliverer(ledger).run_once() == 30
+    for job_id in made:
+        assert [r["seq"] for r in lines(tmp_path / "out" / f"{job_id}.jsonl")] == list(range(10))
+        [row] = jobs.batches("acme", job_id, None, -1, 10)
+        assert (row["first_seq"], row["last_seq"], row["items"]) == (0, 9, 30)
+        assert cluster_client.xlen(ledger.keys.job(job_id).log) <= settings.log_at_rest
+    assert cluster_client.scard(ledger.keys.sink_jobs) == 0
