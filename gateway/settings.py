@@ -113,6 +113,18 @@ class Settings(BaseSettings):
         default_factory=dict, description='directories jsonl/csv "path" sources may read, by tenant, '
         '"*" for every tenant: {"*": ["/srv/shared"], "acme": ["/srv/acme"]} (a JSON list = shared); '
         "unset or empty = file paths are off")
+    sink_roots: dict[str, list[str]] = Field(
+        default_factory=dict, description='directories jsonl/csv result sinks may write, by tenant, '
+        '"*" for every tenant (as source_roots); unset or empty = file sinks are off')
+    log_at_rest: int = Field(default=100, ge=0, description="entries a job's log keeps once the job is at "
+                             "rest and its results are delivered to its sink (jobs with a sink only)")
+    sink_chunk: int = Field(default=200, ge=1, le=5000,
+                            description="most batches one sink delivery writes or posts")
+    sink_grace: timedelta = Field(default=timedelta(seconds=60), ge=timedelta(0),
+                                  description="a committed batch goes to the sink (and compacts) this long "
+                                  "after its commit, so a repeated answer still gets its first answer")
+    sink_timeout: timedelta = Field(default=timedelta(seconds=30), gt=timedelta(0),
+                                    description="an HTTP sink's connect and read timeout")
     max_record_bytes: int = Field(
         default=1024 * 1024, ge=1, description="cap on a jsonl line / csv record (a source's "
         "max_record_bytes may ask for less, or more up to this)")
@@ -171,7 +183,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8080
 
-    @field_validator("source_roots", mode="before")
+    @field_validator("source_roots", "sink_roots", mode="before")
     @classmethod
     def _roots(cls, value: object) -> object:
         """A plain list of roots is shared by every tenant; roots must be absolute paths."""
@@ -191,6 +203,7 @@ class Settings(BaseSettings):
 
     @field_validator("idempotency_ttl", "supervisor_interval", "callback_grace", "source_read_timeout",
                      "outage_pause_after", "outage_cooldown_max", "worker_grace", "redis_connect_timeout",
+                     "sink_timeout", "sink_grace",
                      "redis_read_timeout", "redis_wait_timeout", mode="before")
     @classmethod
     def _seconds(cls, value: object) -> object:

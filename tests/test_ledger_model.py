@@ -9,9 +9,11 @@ and retry it, even ones fail for good; time moved by rewriting the batch's seale
 push-mode worker about to call its platform), a lease running out (expire_due), pause, resume, resume by
 cursor forward and backward (replan), cancel, retry-failed, supervisor recovery in auto mode (with a fresh
 or a still-held claim) and record mode (the job is held) and release, supervisor ticks (expiry, retire),
-a SIGKILLed and restarted Redis (AOF), and a next job once one is final. One more rule, enabled only
-when a job succeeded with failed batches its budget tolerated, retries them (a state the weighted actions
-reach too rarely to test the rule by). Jobs run over a ``sequence``
+a SIGKILLed and restarted Redis (AOF), a next job once one is final, and the result sink's delivery:
+a chunk of committed batches below the watermark written to the job's jsonl sink and compacted to range
+summaries (compact.lua), or the torn tail a deliverer killed mid-write leaves in the file. One more
+rule, enabled only when a job succeeded with failed batches its budget tolerated, retries them (a state
+the weighted actions reach too rarely to test the rule by). Jobs run over a ``sequence``
 source of 5..40 items, 1..5 per batch, 1..3 stages, concurrency 1..6, 1..4 attempts per stage and a
 failure budget of 0..100 %, on a ledger that plans 1, 2, 3 or 16 batches at a time (``plan_ahead``: every
 action above also meets batches planned ahead but not leased yet).
@@ -35,7 +37,11 @@ Invariants (checked after every step):
   5. a succeeded or cancelled job changes no more (a succeeded one only by an explicit replan, or by a
      retry-failed that re-opens failed batches its budget tolerated); ``failed``
      is not final; a cancelled job refuses resume, retry-failed, replan and every answer;
-  6. every record passes its checksum and nothing is marked corrupt.
+  6. every record passes its checksum and nothing is marked corrupt;
+  7. compaction drops only delivered records: every seq below the sink cursor is completed or superseded
+     (in the model) and below the watermark, its records are gone, and the sink file up to the recorded
+     offset holds exactly one line per completed batch among them, in seq order; every seq above the
+     cursor keeps its record.
 Also: the model's view of every batch and of the job (status, cursors, attempts, tokens, per-stage status,
 items), the indexes (leases, ready, failed, done, items keys) agree with the batch records, the job view,
 the audit stream (every control action that took effect, once), and TTLs (a job that runs has none; the
@@ -61,6 +67,7 @@ examples reached.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -90,6 +97,7 @@ from gateway.ledger.ledger import Ledger
 from gateway.ledger.records import dumps, intact, loads_or_none, seal
 from gateway.ledger.scripts import JOURNAL_MS
 from gateway.settings import Settings
+from gateway.push.sinks import SinkDeliverer
 from gateway.push.supervisor import Supervisor
 
 TENANT = "acme"
@@ -335,6 +343,7 @@ ACTIONS = (
     + ["begin"]
     + ["pause", "resume", "resume", "retry_failed", "retry_failed", "replan", "replan", "cancel",
        "release", "release", "recover_auto", "recover_record", "supervisor_tick", "redis_crash_and_restart"]
+    + ["deliver"] * 2 + ["deliver_torn"]
     + ["next_job"] * 2
 )
 
@@ -348,8 +357,10 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
+        self.sink_dir = Path(tempfile.mkdtemp(prefix="batchgate-model-sinks-"))  # not under data_dir
         self.settings = Settings(redis_url=self.server.url, data_dir=self.data_dir,
-                                 tokens={"t-acme-0123456789": TENANT})
+                                 tokens={"t-acme-0123456789": TENANT}, sink_roots=[str(self.sink_dir)],
+                                 sink_chunk=3, sink_grace=0)
         self.connect()
         self.r.flushdb()
         # Keep the AOF small: it grows by every example's writes, and each restart replays all of it
@@ -373,6 +384,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def teardown(self):
         self.r.close()
+        shutil.rmtree(self.sink_dir, ignore_errors=True)
 
     # -- set-up -------------------------------------------------------------------------------------
     @initialize(params=JOB)
@@ -393,7 +405,9 @@ class LedgerMachine(RuleBasedStateMachine):
                            "tolerated_failure_percentage": pct,
                            "source": {"type": "sequence", "count": n}})
         self.registry.register(TENANT, flow)
-        self.job_id = self.jobs.create(TENANT, JobRequest(flow_id=flow_id))["job_id"]
+        self.sink_path = self.sink_dir / f"{flow_id}.jsonl"
+        self.job_id = self.jobs.create(TENANT, JobRequest(
+            flow_id=flow_id, sink={"type": "jsonl", "path": str(self.sink_path)}))["job_id"]
         self.k = self.ledger.keys.job(self.job_id)
         self.model = Model(n, max_items, stages, concurrency, attempts[:stages], pct, ahead)
         self.ledger.plan_ahead = ahead
@@ -401,6 +415,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.last_cursor_offset = 0
         self.snapshot = None
         self.replanned = False
+        self.delivered = False
 
     # -- helpers ------------------------------------------------------------------------------------
     def all_ready_now(self) -> dict[int, dict[int, float]]:
@@ -454,7 +469,12 @@ class LedgerMachine(RuleBasedStateMachine):
             STATS[f"complete: committed in a {m.status} job"] += 1
             return
         dup = [(stage, att) for stage, (att, tok) in b.commits.items() if tok == token]
-        if dup:
+        if self.compacted(b.seq):  # delivered to the sink, its record gone: any answer is stale
+            with pytest.raises(JobCancelled if m.status == "cancelled" else StaleLease) as err:
+                self.ledger.complete(self.job_id, b.seq, token, output)
+            assert m.status == "cancelled" or err.value.extra["batch_status"] == "compacted"
+            STATS["complete: compacted"] += 1
+        elif dup:
             res = self.ledger.complete(self.job_id, b.seq, token, output)
             assert res["duplicate"] is True and (res["stage"], res["attempt"]) == (f"s{dup[0][0]}", dup[0][1])
             STATS["complete: duplicate"] += 1
@@ -640,6 +660,8 @@ class LedgerMachine(RuleBasedStateMachine):
                 b.status, b.token, b.rec_token, b.unspent = "pending", None, "", b.unspent + 1
                 m.overdue.discard(b.seq)
             STATS[f"begin: {res[0]}"] += 1
+        elif self.compacted(b.seq):
+            assert res == ["missing"]  # delivered to the sink and compacted: no record to be stale
         elif m.status == "cancelled":
             assert res == ["cancelled"]
         else:
@@ -813,6 +835,27 @@ class LedgerMachine(RuleBasedStateMachine):
         self.restarts += 1
         assert self.dump(scores=True) == before
 
+    # result sink
+    def compacted(self, seq: int) -> bool:
+        """Whether batch ``seq`` was delivered to the job's sink and its record compacted."""
+        return seq < int(self.r.hget(self.k.sink, "seq") or 0)
+
+    def deliver(self, data):
+        """The sink deliverer writes and records one to three chunks (3 batches each, sink_chunk)."""
+        deliverer = SinkDeliverer(self.ledger, name="model-sink")
+        spec = self.ledger.spec(self.job_id)
+        for _ in range(data.draw(st.integers(1, 3), label="chunks")):
+            if deliverer._deliver_chunk(spec) is None:
+                break
+            STATS["sink: a chunk delivered"] += 1
+            self.delivered = True  # invariant 5: a finished job's records may compact
+
+    def deliver_torn(self, data):
+        """What a deliverer SIGKILLed mid-write leaves: lines past the recorded offset, the last one half
+        written (the next delivery cuts them off before it writes)."""
+        with self.sink_path.open("a") as fh:
+            fh.write('{"id": "torn", "seq": 0}\n{"id": "half')
+
     def pipe_all(self, queue) -> list:
         pipe = self.r.pipeline(transaction=False)
         queue(pipe)
@@ -865,12 +908,34 @@ class LedgerMachine(RuleBasedStateMachine):
         batches = {seq: rest[2 * seq] for seq in range(m.next_seq)}
         items = {seq: rest[2 * seq + 1] for seq in range(m.next_seq)}
 
+        # 7. compaction dropped only delivered records, and the sink holds each delivered batch once
+        sink = r.hgetall(k.sink)
+        compacted, offset = int(sink.get("seq") or 0), int(sink.get("off") or 0)
+        assert compacted <= int(job["wm"]), "compacted above the watermark"
+        for seq in range(compacted):
+            b = m.batches[seq]
+            assert b.status in ("completed", "superseded"), f"batch {seq} ({b.status}) compacted"
+            assert not batches[seq] and items[seq] is None, f"compacted batch {seq} still has records"
+            # stands in for the record in the checks below: what the model says it was
+            batches[seq] = {"status": b.status, "stage": str(b.stage), "n_items": str(b.end - b.start),
+                            "start_cursor": cursor(b.start), "end_cursor": b.end_json, "compacted": "1"}
+        written = self.sink_path.read_bytes() if self.sink_path.exists() else b""
+        assert len(written) >= offset
+        lines = [json.loads(line) for line in written[:offset].decode().splitlines()]
+        assert [line["seq"] for line in lines] == [s for s in range(compacted)
+                                                   if m.batches[s].status == "completed"]
+        assert [line["cursor"]["offset"] for line in lines] == [m.batches[s].start for s in range(compacted)
+                                                                if m.batches[s].status == "completed"]
+        assert int(sink.get("batches") or 0) == len(lines)
+        if compacted:
+            STATS["sink: records compacted"] += 1
+
         # 6. checksums, nothing corrupt
         assert intact(job), f"job record fails its checksum: {job}"
         assert intact(spec), "spec record fails its checksum"
         for seq, fields in batches.items():
             assert fields, f"batch {seq} is missing"
-            assert intact(fields), f"batch {seq} fails its checksum: {fields}"
+            assert fields.get("compacted") or intact(fields), f"batch {seq} fails its checksum: {fields}"
 
         # the model, field by field
         base, next_seq = int(job["base_seq"]), int(job["next_seq"])
@@ -882,6 +947,8 @@ class LedgerMachine(RuleBasedStateMachine):
         assert job["committed_cursor"] == m.committed_cursor()
         for seq, b in m.batches.items():
             fields = batches[seq]
+            if fields.get("compacted"):
+                continue
             got = (fields["status"], int(fields["stage"]), int(fields["attempt"]), fields["lease_token"])
             assert got == (b.status, b.stage, b.attempt, b.rec_token), f"batch {seq}: {got} vs {b}"
             assert (fields["start_cursor"], fields["end_cursor"]) == (cursor(b.start), b.end_json)
@@ -987,9 +1054,9 @@ class LedgerMachine(RuleBasedStateMachine):
                 assert ttl == -1, f"{key} of a {m.status} job expires in {ttl} ms"
 
         # 5. succeeded and cancelled jobs change no more (a succeeded one only by a replan)
-        if self.snapshot is not None and not self.replanned:
+        if self.snapshot is not None and not self.replanned and not self.delivered:
             assert self.dump() == self.snapshot, f"a {self.snapshot_status} job changed"
-        self.replanned = False
+        self.replanned = self.delivered = False
         if m.status in ("succeeded", "cancelled"):
             self.snapshot, self.snapshot_status = self.dump(), m.status
         else:

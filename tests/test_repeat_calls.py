@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["tests/test_scripts.py", "tests/test_ledger.py", "tests/test_control.py", "tests/test_approvals.py",
            "tests/test_platform_waits.py", "tests/test_outage.py", "tests/test_max_run.py",
            "tests/test_api.py", "tests/test_lease_planning.py", "tests/test_fetch_stage.py",
-           "tests/test_bisect.py"]
+           "tests/test_bisect.py", "tests/test_sinks.py"]  # compact.lua, rest.lua
 #: scripts that do not run on one job's keys (a target's slots or breaker, the collation check): not
 #: journaled; slot.lua and breaker.lua are idempotent by their holder id and their state (test below)
 NOT_JOB_SCRIPTS = {"selfcheck", "slot", "breaker"}

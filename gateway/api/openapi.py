@@ -167,6 +167,8 @@ VIEW_SCHEMAS: dict[str, Any] = {
         waiting=_nullable(_obj(["reason"], reason=STR, target=_nullable(STR), since_ms=_nullable(INT),
                                retry_at_ms=_nullable(INT))),
         bytes_done=_nullable(INT), bytes_total=_nullable(INT), bytes_read=_nullable(INT), items_planned=INT,
+        sink=_obj(["type", "delivered_below_seq"], type=STR, delivered_below_seq=INT, batches_delivered=INT,
+                  items_delivered=INT, behind=INT, error=_nullable(STR), error_ms=_nullable(INT)),
         created_ms=INT, updated_ms=INT, finished_ms=_nullable(INT)),
     "JobList": _obj(["jobs"], jobs={"type": "array", "items": _ref("JobView")},
                     next={"type": "string", "description": "the next page (the same filters and a cursor); "
@@ -176,8 +178,13 @@ VIEW_SCHEMAS: dict[str, Any] = {
             end: _obj(["version", "hash"], version=STR, hash=STR) for end in ("from", "to")}))]},
     "BatchView": _obj(["seq", "stage", "attempt", "items"],
                       seq=INT, status=_nullable(STR), stage=_nullable(STR), attempt=INT,
-                      items=INT, error=_nullable(STR), error_type=_nullable(STR),
+                      items={"anyOf": [INT, {"type": "null"}], "description": "null: one batch of a "
+                             "compacted range (its record went to the job's result sink)"},
+                      error=_nullable(STR), error_type=_nullable(STR),
                       attempts_spent=INT, stages=OBJ,
+                      compacted={**BOOL, "description": "delivered to the job's result sink: the row stands "
+                                 "for seqs first_seq..last_seq"},
+                      first_seq=INT, last_seq=INT, range=OBJ,
                       approval_id={**STR, "description": "waiting_human: the approval it waits on"},
                       quarantined_items={"type": "array", "items": INT,
                                          "description": "indices of the batch's quarantined items"},
@@ -280,8 +287,12 @@ class Rule:
 SOURCE_RULE = Rule("a source is checked by its type (README, Sources) and read once at creation",
                    "invalid-request", r"^(source|the source|file sources|a fetching first stage|an external "
                    r"source|the flow defines no source)")
+SINK_RULE = Rule("a result sink is checked by its type (README, Result sinks): a file sink's path under "
+                 "BATCHGATE_SINK_ROOTS, a new file (a flow's with {job_id}), an http sink's URL",
+                 "invalid-request", r"sink")
 FLOW_RULES = (
     Rule("stage names are unique", "invalid-request", "stage names must be unique"),
+    SINK_RULE,
     Rule("only the first stage may fetch items", "invalid-request", "only the first stage may fetch"),
     Rule("a stage's max_run is at least its lease", "invalid-request", "must be at least the stage's lease"),
     Rule("a duration given as an ISO 8601 string is held to the bounds stated for seconds",
@@ -296,6 +307,7 @@ FLOW_RULES = (
 JOB_RULES = (
     Rule("an Idempotency-Key is used with one body only", "idempotency-mismatch", ""),
     SOURCE_RULE,
+    SINK_RULE,
 )
 COMPLETE_RULES = (
     Rule("items come only from a job whose first stage fetches", "invalid-request",
@@ -577,6 +589,7 @@ def request_schemas() -> dict[str, Any]:
     flow["stages"]["description"] = ("stage names are unique; only the first stage may fetch; each "
                                      "stage's max_run is at least its lease")
     flow["source"]["description"] = "the items: checked by their type (README, Sources)"
+    flow["sink"]["description"] = "where committed outputs go: checked by their type (README, Result sinks)"
     defs["Stage"]["properties"]["target"]["description"] = (
         "push mode: the platform workflow batchgate triggers, checked by its type (connectors/)")
     defs["CompleteRequest"]["properties"]["items"]["description"] = (

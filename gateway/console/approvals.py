@@ -104,7 +104,8 @@ def render_approval(approval_id: str, problem: dict[str, Any] | None = None, sta
     notice = None if problem else NOTICES.get(request.args.get("done", ""))
     committed = None
     if view["status"] == "approved" and view["decision"] and view["decision"]["edited_output"]:
-        batch = svc.ledger.batch_record(view["job_id"], view["seq"])
+        batch = svc.redis.hgetall(svc.ledger.keys.job(view["job_id"]).batch(view["seq"]))
+        # {} once the batch was delivered to the job's sink and compacted: the sink holds the output
         committed = loads_or_none(batch.get(f"out:{view['stage_index']}"))
     return render_template(
         "console/approval.html", a=view, problem=problem, notice=notice, form=form, committed=committed,

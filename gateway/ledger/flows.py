@@ -25,6 +25,7 @@ import connectors
 from gateway.errors import FlowConflict, InvalidRequest, NotFound, shown
 from gateway.ledger.keys import Keys
 from gateway.ledger.records import dumps
+from gateway.ledger.results import parse_sink
 from gateway.validation import parse
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -234,6 +235,16 @@ class FlowSpec(BaseModel):
     concurrency: int = Field(default=4, ge=1, le=10_000)
     tolerated_failure_percentage: float = Field(default=0.0, ge=0.0, le=100.0)
     retention: timedelta = Field(default=timedelta(days=7), gt=ZERO, le=timedelta(days=3650))
+    sink: dict[str, Any] | None = Field(default=None, description="where committed outputs go "
+                                        "(gateway/ledger/results.py); a job's own sink overrides it")
+
+    @model_serializer(mode="wrap")
+    def _omit_no_sink(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """``sink`` unset is left out of the stored definition: flows without one keep their hash."""
+        data = handler(self)
+        if isinstance(data, dict) and self.sink is None:
+            data.pop("sink", None)
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> FlowSpec:
@@ -252,6 +263,11 @@ class FlowSpec(BaseModel):
                 raise ValueError(f"stages[{i}].approval.show: {show!r} is not an earlier stage")
         if self.source is not None:
             self.source = validate_source(self.source, fetch_stage=self.stages[0].fetches)
+        if self.sink is not None:
+            try:
+                self.sink = parse_sink(self.sink, in_flow=True)
+            except InvalidRequest as exc:
+                raise ValueError(str(exc)) from None
         return self
 
     def gates(self) -> dict[int, Approval]:

@@ -21,6 +21,16 @@ from gateway.ledger.planner import check_batch_bound
 from gateway.ledger.progress import progress_of
 from gateway.ledger import bisect
 from gateway.ledger.records import loads_or_none
+from gateway.ledger.results import (
+    SinkState,
+    check_sink_url,
+    create_sink_file,
+    compacted_batch_view,
+    job_sink,
+    parse_sink,
+    range_view,
+    summary_rows,
+)
 
 BATCH_STATUSES = ("pending", "leased", "waiting_human", "completed", "failed", "superseded")
 
@@ -34,6 +44,8 @@ class JobRequest(BaseModel):
     flow_version: str | None = Field(default=None, pattern=NAME)
     params: dict[str, Any] = Field(default_factory=dict)
     source: dict[str, Any] | None = None
+    sink: dict[str, Any] | None = Field(default=None, description="where committed outputs go (overrides "
+                                        "the flow's): jsonl/csv file, http endpoint or discard")
 
 
 class ResumeRequest(BaseModel):
@@ -93,10 +105,15 @@ class JobService:
         check_batch_bound(flow.batching, source, self.ledger.settings)  # 422 before the probe reads
         # 422/503 now rather than failing every lease later; a path must be one the tenant may read
         total_bytes = probe_source(source, flow, self.ledger.settings, tenant)
-        spec = JobSpec(job_id=job_id or new_job_id(), tenant=tenant, flow=flow, flow_hash=record["hash"],
+        job_id = job_id or new_job_id()
+        sink = job_sink(parse_sink(req.sink) if req.sink is not None else flow.sink, job_id)
+        if sink and sink["type"] == "http":
+            check_sink_url(sink["url"], self.ledger.settings)
+        create_sink_file(sink, self.ledger.settings, tenant)  # the last check: it makes the file
+        spec = JobSpec(job_id=job_id, tenant=tenant, flow=flow, flow_hash=record["hash"],
                        source=source, params=req.params,
                        total_hint=total_hint(source, len(inline) if inline is not None else None),
-                       total_bytes=total_bytes, key_scheme="range")
+                       total_bytes=total_bytes, key_scheme="range", sink=sink)
         self.ledger.create_job(spec, initial_cursor(source, len(inline or ())), inline)
         return self.view(tenant, spec.job_id)
 
@@ -113,7 +130,11 @@ class JobService:
         """Status, committed cursor, batch counts, progress, rate and ETA."""
         spec = self.owned_spec(tenant, job_id)
         job, leased = self.ledger.job_and_leases(job_id)
-        return self.render(spec, job_id, job, leased)
+        view = self.render(spec, job_id, job, leased)
+        if spec.sink:
+            state = SinkState.from_fields(self.ledger.r.hgetall(self.ledger.keys.job(job_id).sink))
+            view["sink"] = state.view(spec.sink, int(job["wm"]))
+        return view
 
     @staticmethod
     def render(spec: JobSpec, job_id: str, job: dict[str, str], leased: int) -> dict[str, Any]:
@@ -188,6 +209,12 @@ class JobService:
         planned = int(self.ledger.job_fields(job_id)["next_seq"])
         out: list[dict[str, Any]] = []
         start = after + 1
+        if spec.sink:  # delivered batches below the sink cursor are range summaries: a row per range
+            compacted, rows = self.compacted(job_id)
+            for row in rows:
+                if row["last"] >= start and len(out) < limit and _range_has(row, status):
+                    out.append(range_view(row))
+            start = max(start, compacted)
         while start < planned and len(out) < limit:
             seqs = range(start, min(start + 500, planned))
             pipe = self.ledger.r.pipeline(transaction=False)
@@ -201,10 +228,20 @@ class JobService:
             start = seqs.stop
         return out
 
+    def compacted(self, job_id: str) -> tuple[int, list[dict[str, Any]]]:
+        """The seq below which a job's batch records are summaries, and the summaries (one MULTI)."""
+        fields = self.ledger.r.hgetall(self.ledger.keys.job(job_id).sink)
+        return int(fields.get("seq") or 0), summary_rows(fields)
+
     def batch(self, tenant: str, job_id: str, seq: int) -> dict[str, Any]:
-        """One batch in full: cursors, stage statuses, outputs, errors."""
+        """One batch in full: cursors, stage statuses, outputs, errors; a batch compacted after its
+        delivery to the job's sink is shown as the range summary that stands for it."""
         spec = self.owned_spec(tenant, job_id)
         fields = self.ledger.r.hgetall(self.ledger.keys.job(job_id).batch(seq))
+        if not fields and spec.sink:
+            for row in self.compacted(job_id)[1]:
+                if row["first"] <= seq <= row["last"]:
+                    return compacted_batch_view(row, seq)
         if not fields:
             raise NotFound(f"job {job_id} has no batch {seq}")
         return batch_view(spec, fields, full=True)
@@ -259,6 +296,12 @@ class JobService:
             open_source(spec.source, inline_items=()).validate_cursor(cursor)
         except chunker.SourceSpecError as exc:
             raise InvalidRequest(f"cursor: {exc}") from exc
+
+
+def _range_has(row: dict[str, Any], status: str | None) -> bool:
+    """Whether a range summary holds batches of ``status`` (None: any)."""
+    return (status is None or status == "completed" and row["batches"] > 0
+            or status == "superseded" and row["superseded"] > 0)
 
 
 def batch_view(spec: JobSpec, fields: dict[str, str], full: bool) -> dict[str, Any]:

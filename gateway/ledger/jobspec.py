@@ -52,6 +52,8 @@ class JobSpec:
     spec_gen: int = 0
     prev_flow_hash: str | None = None  # the flow hash before the last migration
     prev_flow_version: str | None = None
+    #: where committed outputs go (results.py): the job's own, else the flow's; None = kept in Redis
+    sink: dict[str, Any] | None = None
 
     @property
     def stage_count(self) -> int:
@@ -97,7 +99,8 @@ class JobSpec:
             "total_bytes": "" if self.total_bytes is None else str(self.total_bytes),
             "key_scheme": self.key_scheme,
         } | ({"spec_gen": str(self.spec_gen), "prev_flow_hash": self.prev_flow_hash or "",
-              "prev_flow_version": self.prev_flow_version or ""} if self.spec_gen else {})
+              "prev_flow_version": self.prev_flow_version or ""} if self.spec_gen else {}) \
+            | ({"sink": dumps(self.sink)} if self.sink else {})
 
     @classmethod
     def from_fields(cls, fields: dict[str, str]) -> JobSpec:
@@ -115,6 +118,7 @@ class JobSpec:
             spec_gen=int(fields.get("spec_gen") or 0),  # set by a migration only
             prev_flow_hash=fields.get("prev_flow_hash") or None,
             prev_flow_version=fields.get("prev_flow_version") or None,
+            sink=json.loads(fields["sink"]) if fields.get("sink") else None,  # only jobs with a sink
         )
 
 

@@ -32,6 +32,14 @@ Per job (owner: the ledger scripts; expiry: retention, see ``Ledger.apply_retent
 ``<p>:{<job>}:planlock``       string  who is reading the source to plan the next batch, short TTL
 ``<p>:{<job>}:recover``        string  supervisor recovery claim, short TTL
 ``<p>:{<job>}:supclaim``       string  a supervisor looking at the job now (SET NX PX, due.py)
+``<p>:{<job>}:sink``           hash    the result sink's delivery cursor: ``seq`` (every batch below it
+                                       is delivered and compacted), ``off`` (bytes of the sink file
+                                       that hold them), ``batches``, ``items``, ``error``, ``error_ms``;
+                                       and the range summaries of the compacted batch records:
+                                       ``r:<first seq>`` = JSON ``{first, last, gen, cursor, end_cursor,
+                                       batches, items, superseded}``, ``rlast`` (compact.lua,
+                                       push/sinks.py); only jobs with a sink
+``<p>:{<job>}:sinkclaim``      string  the one deliverer of the job's sink now (SET NX PX, push/sinks.py)
 =============================  ======  =====================================================
 
 Global (updated outside scripts, idempotently; rebuildable from the job keys):
@@ -81,6 +89,9 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
                                               (since_ms, until_ms, fails, error, probe_ms); breaker.lua
 ``<p>:target:{<id>}:waiting``         set     job ids with batches waiting for that target to answer
 ``<p>:push:jobs``                     set     job ids with push stages the workers feed (kick adds)
+``<p>:sink:jobs``                     set     job ids with a result sink that may have batches to
+                                              deliver (create_job and persist_job add; the sink
+                                              deliverer removes a job at rest with nothing left)
 ``<p>:push:wake``                     list    job ids whose work may be ready now (kick pushes)
 ``<p>:quota:active:{<tenant>}``       set     the tenant's job ids that may still be active: added
                                               by quota.lua when a creation is admitted, re-added on
@@ -184,6 +195,14 @@ class JobKeys:
     def quarantine(self) -> str:
         return f"{self._base}:quarantine"
 
+    @property
+    def sink(self) -> str:
+        return f"{self._base}:sink"
+
+    @property
+    def sink_claim(self) -> str:
+        return f"{self._base}:sinkclaim"
+
     def approval(self, seq: int, stage: int, round_: int) -> str:
         return f"{self._base}:approval:{seq}.{stage}.{round_}"
 
@@ -279,6 +298,10 @@ class Keys:
     @property
     def push_jobs(self) -> str:
         return f"{self.prefix}:push:jobs"
+
+    @property
+    def sink_jobs(self) -> str:
+        return f"{self.prefix}:sink:jobs"
 
     @property
     def push_wake(self) -> str:

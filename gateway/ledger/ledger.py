@@ -239,6 +239,8 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         self.index.file(pipe, spec.tenant, spec.job_id,
                         Filed("running", spec.flow.id, spec.flow.version, int(now)))
         pipe.sadd(self.keys.active, spec.job_id)
+        if spec.sink:  # results.py: the sink deliverer follows it
+            pipe.sadd(self.keys.sink_jobs, spec.job_id)
         pipe.zadd(self.keys.due, {spec.job_id: float("inf")})  # watched; nothing due until a lease
         pipe.execute()
         self.creations.end(spec.job_id)
@@ -643,11 +645,10 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
     def _batch_fields(self, job_id: str, seq: int) -> dict[str, str]:
         fields = self.r.hgetall(self.keys.job(job_id).batch(seq))
         if not fields:
-            raise NotFound(f"job {job_id} has no batch {seq}")
+            self._raise_for(["missing"], job_id, seq)  # compacted: a stale lease; else NotFound
         return fields
 
-    @staticmethod
-    def _raise_for(res: list, job_id: str, seq: int) -> None:
+    def _raise_for(self, res: list, job_id: str, seq: int) -> None:
         if res[0] == "max_run":
             outcome, attempt, max_run_s = res[1], int(res[2]), int(res[3]) / 1000
             then = ("it will be retried (the stage is idempotent)" if outcome == "retry"
@@ -665,6 +666,13 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
                              batch_status=res[1], attempt=int(res[2] or 0))
         if res[0] == "corrupt":
             raise CorruptRecord(f"job {job_id} batch {seq} failed its checksum; it will not run")
+        if res[0] == "missing" and int(self.r.hget(self.keys.job(job_id).sink, "seq") or 0) > seq:
+            # delivered to the job's result sink and compacted (results.py): long done, like a stale one
+            if self.r.hget(self.keys.job(job_id).job, "status") == "cancelled":
+                self._raise_for(["cancelled"], job_id, seq)
+            raise StaleLease(f"batch {seq} of job {job_id} was committed, delivered to the job's result "
+                             "sink and compacted; this answer was not committed",
+                             batch_status="compacted", attempt=0)
         if res[0] == "missing":
             raise NotFound(f"job {job_id} has no batch {seq}")
         if res[0] == "invalid":
@@ -679,12 +687,13 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
         planned = int(self.job_fields(job_id)["next_seq"])
+        compacted = int(self.r.hget(k.sink, "seq") or 0)  # records below it are range summaries now
         approvals = self.r.zrange(k.approvals, 0, -1)
         return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.audit, k.events,
-                k.approvals, k.approvals_due,
+                k.approvals, k.approvals_due, k.sink,
                 *[k.approval(*(int(x) for x in a.split(".")[-3:])) for a in approvals],
                 *self._ready_keys(spec),
-                *[key for s in range(planned) for key in (k.batch(s), k.items(s))]]
+                *[key for s in range(compacted, planned) for key in (k.batch(s), k.items(s))]]
 
     def expire_job(self, job_id: str, retention: timedelta) -> None:
         """Let every key of a finished job expire after ``retention`` (never for failed jobs)."""
@@ -702,6 +711,7 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         pipe.execute()
         pipe = self.r.pipeline(transaction=False)
         pipe.sadd(self.keys.active, job_id)
+        pipe.sadd(self.keys.sink_jobs, job_id)  # a job without a sink is dropped by the deliverer
         pipe.zadd(self.keys.due, {job_id: int(time.time() * 1000)}, lt=True)  # look at it next pass
         pipe.execute()
 

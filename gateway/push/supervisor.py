@@ -32,6 +32,7 @@ from gateway.ledger.generation import Generation
 from gateway.ledger.ledger import Ledger
 from gateway.ledger.liveness import Liveness
 from gateway.ledger.multi import multi
+from gateway.push.sinks import SinkDeliverer
 from gateway.push.webhooks import Deliverer
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class Supervisor:
         self._visit_cursor = 0  # the round-robin full visits' place in the active set
         self._visit_buf: deque[str] = deque()
         self.deliverer = deliverer or Deliverer(ledger)  # webhooks: its own thread, started by run
+        self.sinks = SinkDeliverer(ledger)  # result sinks: likewise (push/sinks.py)
         self.dispatcher = dispatcher
         self.settings = ledger.settings
         self.name = name or f"supervisor@{socket.gethostname()}:{os.getpid()}"
@@ -339,6 +341,8 @@ class Supervisor:
         interval = self.settings.supervisor_interval.total_seconds()
         webhooks = threading.Thread(target=self.deliverer.run, name="webhooks", daemon=True)
         webhooks.start()  # deliveries wait on receivers; lease expiry must not wait on them
+        sinks = threading.Thread(target=self.sinks.run, name="sinks", daemon=True)
+        sinks.start()
         while not self.stop.is_set():
             try:
                 if self.generation.ready():
@@ -350,7 +354,9 @@ class Supervisor:
                 log.exception("supervisor: a pass failed; ticking again")
             self.stop.wait(interval)
         self.deliverer.stop.set()
+        self.sinks.stop.set()
         webhooks.join(timeout=10)
+        sinks.join(timeout=10)
         self.generation.leave()
         try:
             self.liveness.gone()

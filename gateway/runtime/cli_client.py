@@ -228,6 +228,10 @@ def jobs_batches(client: Client, job_id: str, status: str | None, after: int, li
     if not rows:
         click.echo("no batches" + (f" {status}" if status else ""), err=True)
     for b in rows:
+        if b.get("compacted"):  # delivered to the job's result sink: one row stands for the range
+            click.echo(f"#{b['first_seq']}-{b['last_seq']:<6} {b['status']:<10} delivered to the sink, "
+                       f"{b['batches_completed']} batches, {b['items']} items")
+            continue
         error = f"  {b.get('error_type') or ''} {b['error']}" if b.get("error") else ""
         click.echo(f"#{b['seq']:<6} {b['status']:<10} stage {b.get('stage') or '-':<12} "
                    f"attempt {b.get('attempt', 0)}{error}")
