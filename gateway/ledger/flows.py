@@ -199,6 +199,26 @@ class Batching(BaseModel):
     max_bytes: int | None = Field(default=None, ge=64)
 
 
+class Budget(BaseModel):
+    """What one job of the flow may spend on platform calls (docs/design.md "Cost ledger"): a job whose
+    spend passes it, or whose next call would at its mean cost per call, pauses with the reason."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: int | None = Field(default=None, ge=1)
+    price: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Budget:
+        if self.tokens is None and self.price is None:
+            raise ValueError("a budget needs tokens or price")
+        return self
+
+    def arg(self) -> str:
+        """The JSON lib.lua record_cost takes."""
+        return json.dumps({k: v for k, v in (("t", self.tokens), ("p", self.price)) if v is not None})
+
+
 class FlowSpec(BaseModel):
     """A flow as registered: the public contract of ``POST /v1/flows`` and the YAML files."""
 
@@ -213,6 +233,7 @@ class FlowSpec(BaseModel):
     concurrency: int = Field(default=4, ge=1, le=10_000)
     tolerated_failure_percentage: float = Field(default=0.0, ge=0.0, le=100.0)
     retention: timedelta = Field(default=timedelta(days=7), gt=ZERO, le=timedelta(days=3650))
+    budget: Budget | None = None
 
     @model_validator(mode="after")
     def _check(self) -> FlowSpec:
@@ -239,7 +260,10 @@ class FlowSpec(BaseModel):
 
     def content_hash(self) -> str:
         """sha256 of the canonical JSON of the definition."""
-        return hashlib.sha256(dumps(self.model_dump(mode="json")).encode()).hexdigest()
+        definition = self.model_dump(mode="json")
+        if definition.get("budget") is None:  # flows without one hash as they did before budgets
+            definition.pop("budget", None)
+        return hashlib.sha256(dumps(definition).encode()).hexdigest()
 
 
 def validate_source(spec: dict[str, Any], *, fetch_stage: bool) -> dict[str, Any]:

@@ -77,6 +77,8 @@ OUTAGE_FIRST_COOLDOWN_MS = 1000
 BOOTING_COOLDOWN_MAX_MS = 2000
 #: The longest wait between two polls of a platform run (polls back off from the stage's poll_interval).
 POLL_BACKOFF_MAX_MS = 60_000
+#: Call durations kept per target for dry runs' estimates (Dispatcher._note_latency).
+LATENCY_KEPT = 200
 #: Longest list of kicked job ids kept for the workers (older kicks add nothing).
 WAKE_LIST_MAX = 1000
 #: Set when this worker process is stopping (SIGTERM): no new pump, and a stage attempt dequeued now
@@ -525,10 +527,12 @@ class Dispatcher:
                     error_type = "outcome_unknown"
                 self.ledger.fail(job_id, seq, token, outcome.message,
                                  retryable=outcome.retryable_for(stage.idempotent),
-                                 error_type=error_type, actor="dispatcher", min_delay=delay)
+                                 error_type=error_type, actor="dispatcher", min_delay=delay,
+                                 usage=outcome.usage)
             elif isinstance(outcome, Done):
                 if outcome.platform_ids:
                     self.ledger.note(job_id, "platform_answered", **where, **outcome.platform_ids)
+                self._note_latency(stage, call)
                 commit_answer(self.ledger, spec, stage, seq, token, outcome.answer)
             elif isinstance(outcome, Accepted):
                 self.ledger.note(job_id, "awaiting_callback", **where, **outcome.platform_ids)
@@ -546,6 +550,19 @@ class Dispatcher:
         except (StaleLease, NotFound, JobCancelled):
             log.info("answer dropped: lease no longer current job_id=%s seq=%s attempt=%s",
                      job_id, seq, attempt)
+
+    def _note_latency(self, stage: Stage, call: StageCall) -> None:
+        """Keep how long this stage call took, from its platform call to its answer, with its item count,
+        in the target's latency list (the newest LATENCY_KEPT): dry runs estimate durations from it."""
+        if call.run_deadline_s is None:
+            return
+        took_ms = max(int((time.time() - call.run_deadline_s + stage.max_run.total_seconds()) * 1000), 0)
+        items = call.envelope.get("items")
+        key = self.ledger.keys.target_latency(target_id(stage.target))
+        pipe = self.ledger.r.pipeline(transaction=False)
+        pipe.lpush(key, f"{took_ms} {len(items) if isinstance(items, list) else 0}")
+        pipe.ltrim(key, 0, LATENCY_KEPT - 1)
+        pipe.execute()
 
     def _outage(self, spec: JobSpec, stage: Stage, seq: int, stage_idx: int, token: str,
                 err: PlatformError) -> None:
@@ -597,9 +614,9 @@ def commit_answer(ledger: Ledger, spec: JobSpec, stage: Stage, seq: int, token: 
         return ledger.open_platform_approval(spec.job_id, seq, token, answer.prompt)
     if not answer.succeeded:
         return ledger.fail(spec.job_id, seq, token, answer.error_message or "platform reported failure",
-                           retryable=answer.error_retryable, actor="platform")
+                           retryable=answer.error_retryable, actor="platform", usage=answer.usage)
     next_cursor = answer.next_cursor if answer.has_next_cursor else ABSENT
-    return ledger.complete(spec.job_id, seq, token, answer.output, next_cursor)
+    return ledger.complete(spec.job_id, seq, token, answer.output, next_cursor, usage=answer.usage)
 
 
 # -- RQ entry points (importable by name; arguments are JSON) -----------------------------------
