@@ -1,0 +1,56 @@
+"""The cost ledger read back: what a job's platform calls cost, in total and per stage.
+
+complete.lua and fail.lua count each call in the job's cost hash (keys.py ``JobKeys.cost``, lib.lua
+``record_cost``) in the step that takes its answer. This module turns that hash into the job view's
+``cost`` section and reads a flow's recent jobs for dry runs' cost estimates (plan.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.ledger.jobspec import JobSpec
+
+REASONS = ("first", "retry", "rerun", "bisection")
+"""Why a call ran (lib.lua call_reason): its stage's first attempt; a retry after a failed attempt; a re-run
+after the attempt before lost its worker or callback (its lease expired: "redone"); a bisection child."""
+
+
+def _num(fields: dict[str, str], name: str) -> float:
+    try:
+        return float(fields.get(name) or 0)
+    except ValueError:
+        return 0.0
+
+
+def _figures(fields: dict[str, str], suffix: str = "") -> dict[str, Any]:
+    """One scope's figures (the job's: suffix ''; a stage's: ':<index>')."""
+    def n(name: str) -> int:
+        return int(_num(fields, name + suffix))
+
+    def price(name: str) -> float | None:
+        return round(_num(fields, name + suffix), 10) if fields.get(name + suffix) else None
+
+    return {
+        "calls": n("calls"),
+        "paid_calls": n("paid"),
+        "tokens": n("tokens"),
+        "price": price("price"),
+        "call_seconds": round(n("ms") / 1000, 3),
+        "by_reason": {r: n(f"r_{r}") for r in REASONS if n(f"r_{r}")},
+        # calls re-run after a lost worker or callback, and what they cost: what the crashes cost
+        "redone": {"calls": n("redone"), "tokens": n("redone_tokens"), "price": price("redone_price")},
+    }
+
+
+def cost_view(spec: JobSpec, fields: dict[str, str]) -> dict[str, Any]:
+    """The job view's ``cost`` section from the job's cost hash as read."""
+    view = _figures(fields)
+    view["currency"] = fields.get("currency") or None
+    view["stages"] = {stage.name: _figures(fields, f":{i}") for i, stage in enumerate(spec.flow.stages)
+                      if fields.get(f"calls:{i}")}
+    budget = spec.flow.budget
+    view["budget"] = None if budget is None else {
+        "tokens": budget.tokens, "price": budget.price,
+        "paused": fields.get("budget_paused") or None}
+    return view

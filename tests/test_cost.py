@@ -1,0 +1,106 @@
+"""Cost ledger and dry runs (issue 19 items 2 and 3) against a Dify stand-in on a real socket that bills
+tokens and a price per run: the job's cost is what it billed, a worker killed mid-call shows its re-run
+as redone with its cost, a budget pauses the job before the call that would pass it, and a dry run
+counts the batches and calls the real run makes without calling anything."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gateway.push.dispatch import Dispatcher
+from tests.platforms import FakeDify
+from tests.test_push_e2e import push_stack, wait_done
+
+KEY = "app-cost-key"
+SECRETS = {"acme": {"dify_app": KEY}}
+
+
+def dify_flow(dify: FakeDify, flow_id: str = "costly", count: int = 10, **extra) -> dict:
+    return {"id": flow_id, "version": "1", "batching": {"max_items": 2}, "concurrency": 1,
+            "source": {"type": "sequence", "count": count},
+            "stages": [{"name": "summarise", "lease": 2, "idempotent": True, "timeout": 10,
+                        "retry": {"initial_interval": 0.1, "maximum_attempts": 5},
+                        "target": {"type": "dify", "base_url": dify.base_url, "api_key_secret": "dify_app",
+                                   "mode": "blocking", "max_in_flight": 1}}], **extra}
+
+
+def billing_dify() -> FakeDify:
+    dify = FakeDify(api_key=KEY)
+    dify.tokens_per_item = 50
+    return dify
+
+
+def test_job_cost_is_what_the_platform_billed_and_a_dry_run_counts_its_batches(
+        settings, redis_client, tmp_path):
+    with billing_dify() as dify, push_stack(settings, redis_client, tmp_path / "data", workers=1,
+                                            secrets=SECRETS) as (api, ledger, _):
+        assert api.post("/v1/flows", json=dify_flow(dify, count=9)).status_code == 201
+        before = set(redis_client.keys("*")) - {ledger.keys.boot}
+        plan = api.post("/v1/jobs", json={"flow_id": "costly", "dry_run": True})
+        assert plan.status_code == 200, plan.text
+        plan = plan.json()
+        # nothing called, nothing written (no job, quota slot or idempotency record; boot: the supervisor)
+        assert dify.requests == [] and set(redis_client.keys("*")) - {ledger.keys.boot} == before
+        job_id = api.post("/v1/jobs", json={"flow_id": "costly"}).json()["job_id"]
+        job = wait_done(api, job_id, 60)
+        billed = list(dify.billed)
+        second = api.post("/v1/jobs", json={"flow_id": "costly", "dry_run": True}).json()
+    assert job["status"] == "succeeded", job
+    cost = job["cost"]
+    assert cost["calls"] == cost["paid_calls"] == len(billed) == 5
+    assert cost["tokens"] == sum(t for _, t, _ in billed)
+    assert cost["price"] == pytest.approx(sum(float(p) for _, _, p in billed))
+    assert cost["currency"] == "USD"
+    assert cost["by_reason"] == {"first": 5} and cost["redone"]["calls"] == 0
+    assert cost["stages"]["summarise"]["tokens"] == cost["tokens"]
+    # the dry run's batches and calls are the real run's
+    assert plan["batches"] == job["batches"]["planned"] == 5 and plan["batches_confidence"] == "exact"
+    assert plan["calls"] == {"summarise": 5}
+    # once the flow has a cost ledger and the target a latency history, the second plan prices the job
+    assert second["cost"]["tokens"] == cost["tokens"]
+    assert second["cost"]["price"] == pytest.approx(cost["price"])
+    assert second["duration_s"] is not None and second["stages"][0]["call_seconds_samples"] == 5
+
+
+def test_budget_pauses_the_job_before_the_call_that_would_pass_it(settings, redis_client, tmp_path):
+    with billing_dify() as dify, push_stack(settings, redis_client, tmp_path / "data", workers=0,
+                                            secrets=SECRETS) as (api, ledger, _):
+        # each call bills 100 tokens: after 3 calls (300) the 4th would pass 350
+        flow = dify_flow(dify, count=20, budget={"tokens": 350})
+        assert api.post("/v1/flows", json=flow).status_code == 201
+        job_id = api.post("/v1/jobs", json={"flow_id": "costly"}).json()["job_id"]
+        own = ledger.settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"], "secrets": SECRETS})
+        ran = Dispatcher.build(own, ledger).run_ready(job_id)
+        job = api.get(f"/v1/jobs/{job_id}").json()
+        calls = len([r for r in dify.requests if r.method == "POST"])
+    assert ran == 3 and calls == 3
+    assert job["status"] == "paused"
+    assert "budget" in job["paused_reason"] and "350" in job["paused_reason"]
+    assert job["cost"]["tokens"] == 300 and job["cost"]["budget"]["paused"]
+
+
+def test_a_worker_killed_mid_call_shows_its_rerun_as_redone_with_its_cost(settings, redis_client, tmp_path):
+    with billing_dify() as dify, push_stack(settings, redis_client, tmp_path / "data", workers=1,
+                                            secrets=SECRETS) as (api, ledger, workers):
+        dify.slow_s = 4
+        dify.plan("slow")  # the first run answers after 4 s: the worker is killed before that
+        assert api.post("/v1/flows", json=dify_flow(dify, count=6)).status_code == 201
+        job_id = api.post("/v1/jobs", json={"flow_id": "costly"}).json()["job_id"]
+        deadline = time.monotonic() + 30
+        while not dify.requests:
+            assert time.monotonic() < deadline, "the worker never called the stand-in"
+            time.sleep(0.02)
+        workers.kill()  # SIGKILL: the call's answer is lost; its lease expires after 2 s
+        workers.start()
+        job = wait_done(api, job_id, 60)
+        time.sleep(4.5)  # let the killed call's run finish (and bill) on the stand-in
+        billed = list(dify.billed)
+    assert job["status"] == "succeeded", job
+    cost = job["cost"]
+    assert cost["calls"] == 3 and len(billed) == 4  # the killed call's run billed, its answer never came
+    assert cost["by_reason"] == {"first": 2, "rerun": 1}
+    assert cost["redone"]["calls"] == 1
+    assert cost["redone"]["tokens"] == 100 and cost["redone"]["price"] == pytest.approx(100 * 0.0002)
+    assert cost["tokens"] == sum(t for _, t, _ in billed) - 100  # all but the lost call's bill
