@@ -235,6 +235,14 @@ class FlowSpec(BaseModel):
     retention: timedelta = Field(default=timedelta(days=7), gt=ZERO, le=timedelta(days=3650))
     budget: Budget | None = None
 
+    @model_serializer(mode="wrap")
+    def _omit_no_budget(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """No ``budget`` is left out of the stored definition: flows without one keep their hash."""
+        data = handler(self)
+        if isinstance(data, dict) and self.budget is None:
+            data.pop("budget", None)
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> FlowSpec:
         names = [s.name for s in self.stages]
@@ -260,10 +268,7 @@ class FlowSpec(BaseModel):
 
     def content_hash(self) -> str:
         """sha256 of the canonical JSON of the definition."""
-        definition = self.model_dump(mode="json")
-        if definition.get("budget") is None:  # flows without one hash as they did before budgets
-            definition.pop("budget", None)
-        return hashlib.sha256(dumps(definition).encode()).hexdigest()
+        return hashlib.sha256(dumps(self.model_dump(mode="json")).encode()).hexdigest()
 
 
 def validate_source(spec: dict[str, Any], *, fetch_stage: bool) -> dict[str, Any]:
