@@ -5,6 +5,7 @@ counts the batches and calls the real run makes without calling anything."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -104,3 +105,54 @@ def test_a_worker_killed_mid_call_shows_its_rerun_as_redone_with_its_cost(settin
     assert cost["redone"]["calls"] == 1
     assert cost["redone"]["tokens"] == 100 and cost["redone"]["price"] == pytest.approx(100 * 0.0002)
     assert cost["tokens"] == sum(t for _, t, _ in billed) - 100  # all but the lost call's bill
+
+
+PULL_FLOW = {"id": "pull-cost", "version": "1", "batching": {"max_items": 5},
+             "source": {"type": "sequence", "count": 12},
+             "stages": [{"name": "score", "lease": 30, "retry": {"maximum_attempts": 3, "initial_interval": 0.01}},
+                        {"name": "store", "lease": 30}]}
+
+
+def test_pull_clients_report_usage_and_the_cli_plans_and_shows_cost(api, monkeypatch, capsys):
+    from gateway.runtime.cli import main
+    from tests.conftest import TOKEN
+
+    monkeypatch.setenv("BATCHGATE_TOKEN", TOKEN)
+
+    def cli(*argv: str) -> tuple[int, str]:
+        code = main([*argv[:2], "--url", api.base, *argv[2:]])
+        return code, capsys.readouterr().out
+
+    assert api.post("/v1/flows", json=PULL_FLOW).status_code == 201
+    code, out = cli("jobs", "plan", "--flow", "pull-cost")
+    assert code == 0 and "batches   3 (exact)" in out and "score            3 calls" in out
+    code, out = cli("jobs", "plan", "--flow", "pull-cost", "--json")
+    plan = json.loads(out)
+    assert plan["calls"] == {"score": 3, "store": 3} and plan["cost"]["confidence"] == "unknown"
+    assert api.get("/v1/jobs").json()["jobs"] == []  # planning created nothing
+    job_id = api.post("/v1/jobs", json={"flow_id": "pull-cost"}).json()["job_id"]
+    failed_once = False
+    while (lease := api.post(f"/v1/jobs/{job_id}/lease", json={})).status_code == 200:
+        env = lease.json()
+        path = f"/v1/jobs/{job_id}/batches/{env['seq']}"
+        if env["stage"] == "score" and not failed_once:  # a failed call is counted too, and its retry
+            failed_once = True
+            assert api.post(f"{path}/fail", json={"lease_token": env["lease_token"], "error": {
+                "message": "model overloaded"}, "usage": {"tokens": 7}}).status_code == 200
+            time.sleep(0.05)
+            continue
+        usage = {"tokens": 10, "price": 0.5, "currency": "eur"} if env["stage"] == "score" else None
+        body = {"lease_token": env["lease_token"], "output": {"ok": True}, **({"usage": usage} if usage else {})}
+        assert api.post(f"{path}/complete", json=body).status_code == 200
+    assert api.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded"
+    code, out = cli("jobs", "cost", job_id)
+    assert code == 0
+    assert out.splitlines()[0].split() == ["job", "7", "calls", "(4", "paid),", "37", "tokens,", "price",
+                                           "1.5", "EUR,"] + out.splitlines()[0].split()[10:]
+    cost = json.loads(cli("jobs", "cost", job_id, "--json")[1])
+    assert cost["by_reason"] == {"first": 6, "retry": 1}
+    assert cost["stages"]["score"]["calls"] == 4 and cost["stages"]["store"]["paid_calls"] == 0
+    # the next plan of this flow prices its calls from this job's ledger
+    plan = api.post("/v1/jobs", json={"flow_id": "pull-cost", "dry_run": True}).json()
+    assert plan["cost"]["tokens"] == round(37 / 4 * 3) and plan["stages"][0]["cost"]["from_calls"] == 4
+    assert plan["stages"][0]["call_seconds_from"] == "flow_cost_ledger"
