@@ -43,12 +43,31 @@ def _figures(fields: dict[str, str], suffix: str = "") -> dict[str, Any]:
     }
 
 
+def _sum(scopes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The job's figures: its stages' added up (the cost hash keeps them per stage only)."""
+    def add(values: list[Any]) -> Any:
+        if all(isinstance(v, dict) for v in values) and values:
+            return {k: add([v[k] for v in values if k in v]) for k in {k for v in values for k in v}}
+        present = [v for v in values if v is not None]
+        if not present:
+            return None
+        total = sum(present)
+        return round(total, 10) if isinstance(total, float) else total
+
+    if not scopes:
+        return _figures({})
+    view = {name: add([s[name] for s in scopes]) for name in scopes[0]}
+    view["call_seconds"] = round(view["call_seconds"], 3)
+    return view
+
+
 def cost_view(spec: JobSpec, fields: dict[str, str]) -> dict[str, Any]:
     """The job view's ``cost`` section from the job's cost hash as read."""
-    view = _figures(fields)
+    stages = {stage.name: _figures(fields, f":{i}") for i, stage in enumerate(spec.flow.stages)
+              if fields.get(f"calls:{i}")}
+    view = _sum(list(stages.values()))
     view["currency"] = fields.get("currency") or None
-    view["stages"] = {stage.name: _figures(fields, f":{i}") for i, stage in enumerate(spec.flow.stages)
-                      if fields.get(f"calls:{i}")}
+    view["stages"] = stages
     budget = spec.flow.budget
     view["budget"] = None if budget is None else {
         "tokens": budget.tokens, "price": budget.price,

@@ -498,8 +498,9 @@ local function record_cost(cost_key, job_key, log_key, maxlen, batch, s, reason,
   local u = (usage ~= nil and usage ~= '') and cjson.decode(usage) or {}
   local tokens = tonumber(u.t) or 0
   local price = tonumber(u.p) or 0
-  local function add(name, n) redis.call('HINCRBY', cost_key, name, n); redis.call('HINCRBY', cost_key, name .. ':' .. s, n) end
-  local function addf(name, x) redis.call('HINCRBYFLOAT', cost_key, name, x); redis.call('HINCRBYFLOAT', cost_key, name .. ':' .. s, x) end
+  -- per stage; the job's totals are summed on read (cost.py), but for what a budget needs here
+  local function add(name, n) redis.call('HINCRBY', cost_key, name .. ':' .. s, n) end
+  local function addf(name, x) redis.call('HINCRBYFLOAT', cost_key, name .. ':' .. s, x) end
   add('calls', 1)
   add('ms', ms)
   add('r_' .. reason, 1)
@@ -516,7 +517,12 @@ local function record_cost(cost_key, job_key, log_key, maxlen, batch, s, reason,
     if not seen then redis.call('HSET', cost_key, 'currency', u.c)
     elseif seen ~= u.c then redis.call('HSET', cost_key, 'currency', 'mixed') end
   end
-  if budget == nil or budget == '' or redis.call('HGET', cost_key, 'budget_paused') then return nil end
+  if budget == nil or budget == '' then return nil end
+  -- the job's totals a budget is measured by
+  redis.call('HINCRBY', cost_key, 'calls', 1)
+  if tokens > 0 then redis.call('HINCRBY', cost_key, 'tokens', tokens) end
+  if price > 0 then redis.call('HINCRBYFLOAT', cost_key, 'price', price) end
+  if redis.call('HGET', cost_key, 'budget_paused') then return nil end
   local b = cjson.decode(budget)
   local calls = tonumber(redis.call('HGET', cost_key, 'calls'))
   local why = nil
