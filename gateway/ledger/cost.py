@@ -37,7 +37,9 @@ def _figures(fields: dict[str, str], suffix: str = "") -> dict[str, Any]:
         "tokens": n("tokens"),
         "price": price("price"),
         "call_seconds": round(n("ms") / 1000, 3),
-        "by_reason": {r: n(f"r_{r}") for r in REASONS if n(f"r_{r}")},
+        # 'first' is not stored (one write less per commit): the calls that ran for no other reason
+        "by_reason": {r: k for r in REASONS if (k := n(f"r_{r}") if r != "first" else
+                                                 n("calls") - sum(n(f"r_{o}") for o in REASONS[1:]))},
         # calls re-run after a lost worker or callback, and what they cost: what the crashes cost
         "redone": {"calls": n("redone"), "tokens": n("redone_tokens"), "price": price("redone_price")},
     }

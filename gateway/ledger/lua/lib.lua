@@ -503,7 +503,7 @@ local function record_cost(cost_key, job_key, log_key, maxlen, batch, s, reason,
   local function addf(name, x) redis.call('HINCRBYFLOAT', cost_key, name .. ':' .. s, x) end
   add('calls', 1)
   add('ms', ms)
-  add('r_' .. reason, 1)
+  if reason ~= 'first' then add('r_' .. reason, 1) end  -- first = calls - the others (cost.py)
   if tokens > 0 or price > 0 then add('paid', 1) end
   if tokens > 0 then add('tokens', tokens) end
   if price > 0 then addf('price', price) end
