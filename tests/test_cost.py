@@ -9,6 +9,7 @@ import json
 import time
 
 import pytest
+import requests
 
 from gateway.push.dispatch import Dispatcher
 from tests.platforms import FakeDify
@@ -156,3 +157,8 @@ def test_pull_clients_report_usage_and_the_cli_plans_and_shows_cost(api, monkeyp
     plan = api.post("/v1/jobs", json={"flow_id": "pull-cost", "dry_run": True}).json()
     assert plan["cost"]["tokens"] == round(37 / 4 * 3) and plan["stages"][0]["cost"]["from_calls"] == 4
     assert plan["stages"][0]["call_seconds_from"] == "flow_cost_ledger"
+    # /metrics: calls by stage and reason, tokens and price (bounded labels: a currency code)
+    scrape = requests.get(f"{api.base}/metrics", timeout=10).text
+    assert 'batchgate_stage_calls_total{reason="retry",stage="score"}' in scrape
+    assert 'batchgate_stage_price_total{currency="EUR",reason="first",stage="score"}' in scrape
+    assert 'batchgate_stage_tokens_total{reason="retry",stage="score"}' in scrape
