@@ -162,3 +162,32 @@ def test_pull_clients_report_usage_and_the_cli_plans_and_shows_cost(api, monkeyp
     assert 'batchgate_stage_calls_total{reason="retry",stage="score"}' in scrape
     assert 'batchgate_stage_price_total{currency="EUR",reason="first",stage="score"}' in scrape
     assert 'batchgate_stage_tokens_total{reason="retry",stage="score"}' in scrape
+
+
+def test_a_replayed_answer_is_counted_once_and_a_lost_lease_makes_the_next_call_a_rerun(
+        api, settings, redis_client):
+    from gateway.ledger.ledger import Ledger
+
+    flow = {**PULL_FLOW, "id": "pull-rerun", "source": {"type": "sequence", "count": 10},
+            "stages": [{"name": "score", "lease": 1, "retry": {"initial_interval": 0.01}}]}
+    assert api.post("/v1/flows", json=flow).status_code == 201
+    job_id = api.post("/v1/jobs", json={"flow_id": "pull-rerun"}).json()["job_id"]
+    env = api.post(f"/v1/jobs/{job_id}/lease", json={}).json()
+    body = {"lease_token": env["lease_token"], "output": 1, "usage": {"tokens": 5}}
+    path = f"/v1/jobs/{job_id}/batches/{env['seq']}/complete"
+    assert api.post(path, json=body).json()["duplicate"] is False
+    assert api.post(path, json=body).json()["duplicate"] is True  # a retried request: counted once
+    lost = api.post(f"/v1/jobs/{job_id}/lease", json={}).json()  # its worker dies: the lease runs out
+    time.sleep(1.2)
+    assert Ledger(redis_client, settings).expire_due(job_id) == [(lost["seq"], "retry")]
+    late = {"lease_token": lost["lease_token"], "output": 1, "usage": {"tokens": 5}}
+    assert api.post(f"/v1/jobs/{job_id}/batches/{lost['seq']}/complete", json=late).status_code == 409
+    time.sleep(0.1)  # the retry's backoff
+    again = api.post(f"/v1/jobs/{job_id}/lease", json={}).json()
+    assert again["seq"] == lost["seq"] and again["attempt"] == 2
+    body = {"lease_token": again["lease_token"], "output": 1, "usage": {"tokens": 6}}
+    assert api.post(f"/v1/jobs/{job_id}/batches/{again['seq']}/complete", json=body).status_code == 200
+    cost = api.get(f"/v1/jobs/{job_id}").json()["cost"]
+    assert cost["calls"] == 2 and cost["tokens"] == 11  # the stale late answer was not counted
+    assert cost["by_reason"] == {"first": 1, "rerun": 1}
+    assert cost["redone"] == {"calls": 1, "tokens": 6, "price": None}
