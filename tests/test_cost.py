@@ -66,21 +66,30 @@ def test_job_cost_is_what_the_platform_billed_and_a_dry_run_counts_its_batches(
     assert second["duration_s"] is not None and second["stages"][0]["call_seconds_samples"] == 5
 
 
-def test_budget_pauses_the_job_before_the_call_that_would_pass_it(settings, redis_client, tmp_path):
+@pytest.mark.parametrize(("budget", "named"), [({"tokens": 350}, "350 tokens"), ({"price": 0.07}, "0.07 price")])
+def test_budget_pauses_the_job_before_the_call_that_would_pass_it(settings, redis_client, tmp_path, budget,
+                                                                  named):
     with billing_dify() as dify, push_stack(settings, redis_client, tmp_path / "data", workers=0,
                                             secrets=SECRETS) as (api, ledger, _):
-        # each call bills 100 tokens: after 3 calls (300) the 4th would pass 350
-        flow = dify_flow(dify, count=20, budget={"tokens": 350})
+        # each call bills 100 tokens (0.02): after 3 calls (300, 0.06) the 4th would pass 350 (0.07)
+        flow = dify_flow(dify, count=20, budget=budget)
         assert api.post("/v1/flows", json=flow).status_code == 201
         job_id = api.post("/v1/jobs", json={"flow_id": "costly"}).json()["job_id"]
         own = ledger.settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"], "secrets": SECRETS})
-        ran = Dispatcher.build(own, ledger).run_ready(job_id)
+        dispatcher = Dispatcher.build(own, ledger)
+        ran = dispatcher.run_ready(job_id)
         job = api.get(f"/v1/jobs/{job_id}").json()
         calls = len([r for r in dify.requests if r.method == "POST"])
+        # resuming is the decision to go on past the budget: no second pause
+        assert api.post(f"/v1/jobs/{job_id}/resume", json={}).status_code == 200
+        rest = dispatcher.run_ready(job_id)
+        after = api.get(f"/v1/jobs/{job_id}").json()
     assert ran == 3 and calls == 3
     assert job["status"] == "paused"
-    assert "budget" in job["paused_reason"] and "350" in job["paused_reason"]
+    assert job["paused_reason"].startswith("cost budget: ") and named in job["paused_reason"]
     assert job["cost"]["tokens"] == 300 and job["cost"]["budget"]["paused"]
+    assert rest == 7 and after["status"] == "succeeded" and after["paused_reason"] is None
+    assert after["cost"]["tokens"] == 1000
 
 
 def test_a_worker_killed_mid_call_shows_its_rerun_as_redone_with_its_cost(settings, redis_client, tmp_path):
@@ -191,3 +200,37 @@ def test_a_replayed_answer_is_counted_once_and_a_lost_lease_makes_the_next_call_
     assert cost["calls"] == 2 and cost["tokens"] == 11  # the stale late answer was not counted
     assert cost["by_reason"] == {"first": 1, "rerun": 1}
     assert cost["redone"] == {"calls": 1, "tokens": 6, "price": None}
+
+
+def drain(api, job_id: str) -> None:
+    """Complete every batch of a one-stage pull job."""
+    while (lease := api.post(f"/v1/jobs/{job_id}/lease", json={})).status_code == 200:
+        env = lease.json()
+        api.post(f"/v1/jobs/{job_id}/batches/{env['seq']}/complete",
+                 json={"lease_token": env["lease_token"], "output": None})
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv", "inline"])
+def test_a_dry_run_cuts_the_batches_the_job_cuts(api, tmp_path, kind):
+    # records of uneven sizes and max_bytes: the count needs the source read as the job reads it
+    rows = [{"n": i, "text": "x" * (i * 7 % 40)} for i in range(57)]
+    if kind == "jsonl":
+        path = tmp_path / "items.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        source = {"type": "jsonl", "path": str(path)}
+    elif kind == "csv":
+        path = tmp_path / "items.csv"
+        path.write_text("n,text\n" + "".join(f"{r['n']},{r['text']}\n" for r in rows))
+        source = {"type": "csv", "path": str(path)}
+    else:
+        source = {"type": "inline", "items": rows}
+    flow = {"id": f"cut-{kind}", "version": "1", "batching": {"max_items": 10, "max_bytes": 200},
+            "stages": [{"name": "s"}]}
+    assert api.post("/v1/flows", json=flow).status_code == 201
+    plan = api.post("/v1/jobs", json={"flow_id": flow["id"], "source": source, "dry_run": True}).json()
+    job_id = api.post("/v1/jobs", json={"flow_id": flow["id"], "source": source}).json()["job_id"]
+    drain(api, job_id)
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    assert job["status"] == "succeeded"
+    assert plan["batches"] == job["batches"]["planned"] == job["cost"]["calls"] > 57 // 10
+    assert plan["items"] == job["items_done"] == 57 and plan["batches_confidence"] == "exact"

@@ -26,7 +26,9 @@ from gateway.ledger.records import loads_or_none
 PLAN_READ_S = 10.0  # longest a dry run reads its source
 PLAN_MAX_BATCHES = 100_000
 FLOW_JOBS_READ = 20  # recent jobs of the flow whose cost ledgers a dry run reads
-DEFAULT_MAX_IN_FLIGHT = 8  # dispatch.DEFAULT_TARGET_LIMIT (the ledger does not import the push layer)
+DEFAULT_MAX_IN_FLIGHT = 8
+#: Sources whose item count is known without reading (JobSpec.total_hint): batches are counted, not cut.
+COUNTED = ("inline", "sequence")  # dispatch.DEFAULT_TARGET_LIMIT (the ledger does not import the push layer)
 
 
 def count_batches(spec: JobSpec, inline: list | None, settings: Any) -> dict[str, Any]:
@@ -35,6 +37,10 @@ def count_batches(spec: JobSpec, inline: list | None, settings: Any) -> dict[str
         return {"batches": None, "items": None, "confidence": "unknown",
                 "why": "an external source is fetched by the flow's first stage while the job runs"}
     batching = spec.flow.batching
+    if spec.source["type"] in COUNTED and spec.total_hint is not None and batching.max_bytes is None:
+        # the source tells its size: max_items per batch, and one (empty) batch for no items at all
+        return {"batches": max(1, math.ceil(spec.total_hint / batching.max_items)), "items": spec.total_hint,
+                "confidence": "exact", "why": "from the source's item count"}
     cursor = initial_cursor(spec.source, len(inline or ()))
     batches = items = 0
     stop = time.monotonic() + PLAN_READ_S
