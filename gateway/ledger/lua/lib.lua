@@ -481,7 +481,8 @@ local function call_reason(batch)
     if (batch['split_from'] or '') ~= '' then return 'bisection' end
     return 'first'
   end
-  if string.sub(batch['error'] or '', 1, 13) == 'lease expired' then return 'rerun' end
+  -- expire.lua's words for a lease that ran out on a call under way (not one that never began)
+  if batch['error'] == 'lease expired' then return 'rerun' end
   return 'retry'
 end
 
