@@ -249,3 +249,20 @@ def test_a_pull_step_that_commits_and_leases_in_one_request_counts_its_usage(api
         tokens += 1
     job = api.get(f"/v1/jobs/{job_id}").json()
     assert job["status"] == "succeeded" and job["cost"]["calls"] == 2 and job["cost"]["tokens"] == 3 + 4
+
+
+def test_polled_runs_are_billed_and_timed_from_their_trigger(settings, redis_client, tmp_path):
+    with billing_dify() as dify, push_stack(settings, redis_client, tmp_path / "data", workers=1,
+                                            secrets=SECRETS) as (api, ledger, _):
+        dify.plan("async", "async")  # running at first: polled until it succeeds
+        flow = dify_flow(dify, count=4)
+        flow["stages"][0]["poll_interval"] = 0.2
+        assert api.post("/v1/flows", json=flow).status_code == 201
+        job_id = api.post("/v1/jobs", json={"flow_id": "costly"}).json()["job_id"]
+        job = wait_done(api, job_id, 60)
+        billed = list(dify.billed)
+        plan = api.post("/v1/jobs", json={"flow_id": "costly", "dry_run": True}).json()
+    assert job["status"] == "succeeded" and job["cost"]["tokens"] == sum(t for _, t, _ in billed) == 200
+    stage = plan["stages"][0]
+    # both polled runs took at least one poll interval from their trigger to the answer
+    assert stage["call_seconds_samples"] == 2 and stage["call_seconds"] >= 0.2

@@ -268,10 +268,12 @@ class Dispatcher:
         if granted not in ("ok", "probe"):  # the target filled up or began cooling since the lease
             self._begin(spec, stage, seq, stage_idx, token, mode="release", reason="target_busy")
             return
+        sample = None  # the call's time and item count, for the target's latency list (a Done only)
         try:
             if not self._begin(spec, stage, seq, stage_idx, token):
                 return
             call = self._call_for(spec, stage, lease)
+            started = time.monotonic()
             earlier = self._earlier_run(spec, seq, stage_idx) if lease.attempt > 1 else None
             if earlier is not None:
                 # an earlier attempt started a platform run whose outcome was never recorded (its
@@ -289,9 +291,10 @@ class Dispatcher:
             else:
                 outcome = self._guarded(call, stage,
                                         lambda: self._connector(stage).trigger(call, self.session))
+            if isinstance(outcome, Done):
+                sample = latency_sample(time.monotonic() - started, call)
         finally:
-            self._durably(stage, lambda: self.ledger.r.zrem(
-                self.ledger.keys.target_slots(target_id(stage.target)), holder))
+            self._durably(stage, lambda: self._release_slot(stage, holder, sample))
         self._durably(stage, lambda: self._act(spec, stage, call, seq, stage_idx, token, outcome,
                                                probe=granted == "probe"))
 
@@ -532,7 +535,8 @@ class Dispatcher:
             elif isinstance(outcome, Done):
                 if outcome.platform_ids:
                     self.ledger.note(job_id, "platform_answered", **where, **outcome.platform_ids)
-                self._note_latency(stage, call)
+                if polled is not None:  # a polled run's time (a trigger's is kept with its slot)
+                    self._note_latency(stage, call)
                 commit_answer(self.ledger, spec, stage, seq, token, outcome.answer)
             elif isinstance(outcome, Accepted):
                 self.ledger.note(job_id, "awaiting_callback", **where, **outcome.platform_ids)
@@ -551,16 +555,28 @@ class Dispatcher:
             log.info("answer dropped: lease no longer current job_id=%s seq=%s attempt=%s",
                      job_id, seq, attempt)
 
+    def _release_slot(self, stage: Stage, holder: str, sample: str | None) -> None:
+        """Give the call's slot on its target back and, for a call the platform answered, keep its time in
+        the target's latency list (the newest LATENCY_KEPT; dry runs estimate durations from it): one
+        round trip."""
+        tid = target_id(stage.target)
+        if sample is None:
+            self.ledger.r.zrem(self.ledger.keys.target_slots(tid), holder)
+            return
+        pipe = self.ledger.r.pipeline(transaction=False)
+        pipe.zrem(self.ledger.keys.target_slots(tid), holder)
+        pipe.lpush(self.ledger.keys.target_latency(tid), sample)
+        pipe.ltrim(self.ledger.keys.target_latency(tid), 0, LATENCY_KEPT - 1)
+        pipe.execute()
+
     def _note_latency(self, stage: Stage, call: StageCall) -> None:
-        """Keep how long this stage call took, from its platform call to its answer, with its item count,
-        in the target's latency list (the newest LATENCY_KEPT): dry runs estimate durations from it."""
+        """A polled run finished: keep its time, from its platform call to now (see _release_slot)."""
         if call.run_deadline_s is None:
             return
-        took_ms = max(int((time.time() - call.run_deadline_s + stage.max_run.total_seconds()) * 1000), 0)
-        items = call.envelope.get("items")
+        took_s = time.time() - call.run_deadline_s + stage.max_run.total_seconds()
         key = self.ledger.keys.target_latency(target_id(stage.target))
         pipe = self.ledger.r.pipeline(transaction=False)
-        pipe.lpush(key, f"{took_ms} {len(items) if isinstance(items, list) else 0}")
+        pipe.lpush(key, latency_sample(took_s, call))
         pipe.ltrim(key, 0, LATENCY_KEPT - 1)
         pipe.execute()
 
@@ -604,6 +620,12 @@ class Dispatcher:
         for job_id in waiting:
             self.ledger.clear_waiting(job_id)
         log.info("target %s answers again; %d jobs no longer waiting", tid, len(waiting))
+
+
+def latency_sample(took_s: float, call: StageCall) -> str:
+    """One entry of a target's latency list: ``<ms> <items>`` (dryrun.latency_samples reads it)."""
+    items = call.envelope.get("items")
+    return f"{max(int(took_s * 1000), 0)} {len(items) if isinstance(items, list) else 0}"
 
 
 def commit_answer(ledger: Ledger, spec: JobSpec, stage: Stage, seq: int, token: str,
