@@ -69,7 +69,7 @@ def main() -> None:
             plan = service.plan("bench", request, target_id)
             job_id, actual = run_job(service, batches)
             planned = int(ledger.r.hget(ledger.keys.job(job_id).job, "next_seq"))
-            calls = int(ledger.r.hget(ledger.keys.job(job_id).cost, "calls"))
+            calls = int(ledger.r.hget(ledger.keys.job(job_id).cost, "calls:0"))  # the one stage's
         finally:
             proc.terminate()
             proc.wait()

@@ -1,13 +1,14 @@
 """Plan before running: what a job would take, answered without creating it (``"dry_run": true``).
 
-The source is read as the job would read it (planner.cut_batches, batch by batch, nothing kept), so the
-batch count is the real run's; where reading would take too long (past PLAN_READ_S or PLAN_MAX_BATCHES)
-the count comes from the size the source tells (inline and sequence counts) or is a lower bound. Each
-batch runs each stage once in a run without faults, so calls per stage = batches (approval stages make
-no call). Durations come from each target's recent call times (dispatch.py keeps the newest per target),
-else from this flow's cost ledger (its recent jobs' call time per stage); costs from this flow's cost
-ledger (cost.py). Every figure says how sure it is: ``exact`` (read), ``measured`` (n samples),
-``estimate`` or ``unknown``. No platform call is made, no job, quota slot or idempotency record written.
+Where the source tells its size (inline items and sequences, batched by ``max_items`` only) the batches
+are counted; otherwise the source is read as the job would read it (planner.cut_batches, batch by batch,
+nothing kept), so the count is the real run's. Reading stops after PLAN_READ_S or PLAN_MAX_BATCHES (the
+request's thread waits that long at most): the count is then a lower bound. Each batch runs each stage
+once in a run without faults, so calls per stage = batches (approval stages make no call). Durations
+come from each target's recent call times (dispatch.py keeps the newest per target), else from this
+flow's cost ledger (its recent jobs' call time per stage); costs from this flow's cost ledger (cost.py).
+Every figure says how sure it is: ``exact``, ``lower_bound``, or by the samples behind it ``unknown``,
+``low``, ``medium``, ``high``. No platform call is made, no job, quota slot or idempotency record written.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from gateway.ledger.records import loads_or_none
 PLAN_READ_S = 10.0  # longest a dry run reads its source
 PLAN_MAX_BATCHES = 100_000
 FLOW_JOBS_READ = 20  # recent jobs of the flow whose cost ledgers a dry run reads
-DEFAULT_MAX_IN_FLIGHT = 8
+DEFAULT_MAX_IN_FLIGHT = 8  # dispatch.DEFAULT_TARGET_LIMIT (the ledger does not import the push layer)
 #: Sources whose item count is known without reading (JobSpec.total_hint): batches are counted, not cut.
-COUNTED = ("inline", "sequence")  # dispatch.DEFAULT_TARGET_LIMIT (the ledger does not import the push layer)
+COUNTED = ("inline", "sequence")
 
 
 def count_batches(spec: JobSpec, inline: list | None, settings: Any) -> dict[str, Any]:
@@ -54,15 +55,12 @@ def count_batches(spec: JobSpec, inline: list | None, settings: Any) -> dict[str
             cursor = loads_or_none(end)
         if not cut or batches >= PLAN_MAX_BATCHES or time.monotonic() > stop:
             break
-    if spec.total_hint is not None and batching.max_bytes is None:
-        return {"batches": max(1, math.ceil(spec.total_hint / batching.max_items)), "items": spec.total_hint,
-                "confidence": "exact", "why": "from the source's item count"}
     return {"batches": batches, "items": items, "confidence": "lower_bound",
             "why": f"the source was read for {PLAN_READ_S:g} s or {PLAN_MAX_BATCHES} batches; it has more"}
 
 
 def latency_samples(r: Any, keys: Keys, target_id: str) -> list[float]:
-    """The target's newest call times in seconds (dispatch.py _note_latency)."""
+    """The target's newest call times in seconds (dispatch.py _release_slot, _note_latency)."""
     out = []
     for entry in r.lrange(keys.target_latency(target_id), 0, -1):
         try:
@@ -135,13 +133,15 @@ def plan(spec: JobSpec, inline: list | None, r: Any, keys: Keys, settings: Any,
     for i, stage in enumerate(spec.flow.stages):
         samples = latency_samples(r, keys, target_id(stage.target)) if stage.target else []
         stages.append(stage_plan(stage, batches, samples, past.get(str(i), {}), spec.flow.concurrency))
-    timed = [s for s in stages if s["seconds"] is not None]
+    called = [s for i, s in enumerate(stages) if spec.flow.stages[i].approval is None]
+    timed = [s for s in called if s["seconds"] is not None]
     # batches flow through the stages: the slowest stage sets the pace, the others add one call each
+    # (a person's time at an approval stage is not counted)
     slowest = max(timed, key=lambda s: s["seconds"], default=None)
     seconds = None
-    if slowest is not None and len(timed) == len(stages):
+    if slowest is not None and len(timed) == len(called):
         seconds = slowest["seconds"] + sum(s["call_seconds"] for s in timed if s is not slowest)
-    sure = [s["call_seconds_confidence"] for s in stages]
+    sure = [s["call_seconds_confidence"] for s in called]
     tokens = [s["cost"]["tokens"] for s in stages if s["calls"]]
     prices = [s["cost"]["price"] for s in stages if s["calls"]]
     return {
