@@ -486,6 +486,33 @@ local function call_reason(batch)
   return 'retry'
 end
 
+-- Add one call to the job's totals a budget is measured by (cost hash 'calls', 'tokens', 'price') and say
+-- why the job must pause: its spend reached the budget (JSON {t = tokens, p = price}), or the next call
+-- would pass it at the job's mean cost per call. nil when it need not, or when it paused for it before
+-- (a resumed job goes on past its budget).
+local function cost_budget_passed(cost_key, budget, tokens, price)
+  redis.call('HINCRBY', cost_key, 'calls', 1)
+  if tokens > 0 then redis.call('HINCRBY', cost_key, 'tokens', tokens) end
+  if price > 0 then redis.call('HINCRBYFLOAT', cost_key, 'price', price) end
+  if redis.call('HGET', cost_key, 'budget_paused') then return nil end
+  local b = cjson.decode(budget)
+  local calls = tonumber(redis.call('HGET', cost_key, 'calls'))
+  for _, unit in ipairs({{'t', 'tokens'}, {'p', 'price'}}) do
+    local limit = tonumber(b[unit[1]])
+    local spent = tonumber(redis.call('HGET', cost_key, unit[2]) or '0')
+    if limit then
+      local next_call = spent / calls
+      local of = string.format('%g', spent) .. ' of ' .. string.format('%g', limit) .. ' ' .. unit[2]
+      if spent >= limit then return 'cost budget reached: ' .. of end
+      if spent + next_call > limit then
+        return 'cost budget: ' .. of .. ' spent; the next call (about ' .. string.format('%g', next_call)
+          .. ') would pass it'
+      end
+    end
+  end
+  return nil
+end
+
 -- Record one platform call's cost in the job's cost hash (keys.py JobKeys.cost) and pause the job when it
 -- passes its flow's budget, or when the next call would (at this job's mean cost per call). ``usage`` is
 -- '' or JSON {t = tokens, p = price (decimal text), c = currency}; ``budget`` '' or JSON {t, p}. A call's
@@ -519,27 +546,7 @@ local function record_cost(cost_key, job_key, log_key, maxlen, batch, s, reason,
     elseif seen ~= u.c then redis.call('HSET', cost_key, 'currency', 'mixed') end
   end
   if budget == nil or budget == '' then return nil end
-  -- the job's totals a budget is measured by
-  redis.call('HINCRBY', cost_key, 'calls', 1)
-  if tokens > 0 then redis.call('HINCRBY', cost_key, 'tokens', tokens) end
-  if price > 0 then redis.call('HINCRBYFLOAT', cost_key, 'price', price) end
-  if redis.call('HGET', cost_key, 'budget_paused') then return nil end
-  local b = cjson.decode(budget)
-  local calls = tonumber(redis.call('HGET', cost_key, 'calls'))
-  local why = nil
-  for _, unit in ipairs({{'t', 'tokens', 'tokens'}, {'p', 'price', 'price'}}) do
-    local limit = tonumber(b[unit[1]])
-    local spent = tonumber(redis.call('HGET', cost_key, unit[2]) or '0')
-    if limit and why == nil then
-      local next_call = spent / calls
-      if spent >= limit then
-        why = 'cost budget reached: ' .. string.format('%g', spent) .. ' of ' .. string.format('%g', limit) .. ' ' .. unit[3]
-      elseif spent + next_call > limit then
-        why = 'cost budget: ' .. string.format('%g', spent) .. ' of ' .. string.format('%g', limit) .. ' ' .. unit[3]
-          .. ' spent; the next call (about ' .. string.format('%g', next_call) .. ') would pass it'
-      end
-    end
-  end
+  local why = cost_budget_passed(cost_key, budget, tokens, price)
   if why == nil then return nil end
   local job = load(job_key)
   if not job or job['status'] ~= 'running' then return nil end
