@@ -59,10 +59,10 @@ def count_batches(spec: JobSpec, inline: list | None, settings: Any) -> dict[str
             "why": f"the source was read for {PLAN_READ_S:g} s or {PLAN_MAX_BATCHES} batches; it has more"}
 
 
-def latency_samples(r: Any, keys: Keys, target_id: str) -> list[float]:
-    """The target's newest call times in seconds (dispatch.py _release_slot, _note_latency)."""
+def latency_samples(r: Any, keys: Keys, target_id: str, tenant: str) -> list[float]:
+    """The tenant's newest call times on the target, in seconds (dispatch.py _release_slot, _note_latency)."""
     out = []
-    for entry in r.lrange(keys.target_latency(target_id), 0, -1):
+    for entry in r.lrange(keys.target_latency(target_id, tenant), 0, -1):
         try:
             out.append(int(str(entry).split()[0]) / 1000)
         except (ValueError, IndexError):
@@ -131,7 +131,7 @@ def plan(spec: JobSpec, inline: list | None, r: Any, keys: Keys, settings: Any,
     past = flow_costs(r, keys, spec.tenant, spec.flow.id)
     stages = []
     for i, stage in enumerate(spec.flow.stages):
-        samples = latency_samples(r, keys, target_id(stage.target)) if stage.target else []
+        samples = latency_samples(r, keys, target_id(stage.target), spec.tenant) if stage.target else []
         stages.append(stage_plan(stage, batches, samples, past.get(str(i), {}), spec.flow.concurrency))
     called = [s for i, s in enumerate(stages) if spec.flow.stages[i].approval is None]
     timed = [s for s in called if s["seconds"] is not None]

@@ -80,8 +80,9 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
 ``<p>:target:{<id>}:slots``           zset    calls in flight to one platform target; score = expiry
 ``<p>:target:{<id>}:breaker``         hash    an open circuit breaker: the target is unavailable
                                               (since_ms, until_ms, fails, error, probe_ms); breaker.lua
-``<p>:target:{<id>}:latency``         list    the target's newest call durations (``<ms> <items>``),
-                                              capped (dispatch.py LATENCY_KEPT); read by dry runs
+``<p>:target:{<id>}:latency:<tenant>``  list  the tenant's newest call durations on that target
+                                              (``<ms> <items>``), capped (dispatch.py LATENCY_KEPT);
+                                              read by the tenant's dry runs; no expiry (bounded)
 ``<p>:target:{<id>}:waiting``         set     job ids with batches waiting for that target to answer
 ``<p>:push:jobs``                     set     job ids with push stages the workers feed (kick adds)
 ``<p>:push:wake``                     list    job ids whose work may be ready now (kick pushes)
@@ -276,8 +277,8 @@ class Keys:
     def target_breaker(self, target_id: str) -> str:
         return f"{self.prefix}:target:{{{target_id}}}:breaker"
 
-    def target_latency(self, target_id: str) -> str:
-        return f"{self.prefix}:target:{{{target_id}}}:latency"
+    def target_latency(self, target_id: str, tenant: str) -> str:
+        return f"{self.prefix}:target:{{{target_id}}}:latency:{tenant}"
 
     def target_waiting(self, target_id: str) -> str:
         return f"{self.prefix}:target:{{{target_id}}}:waiting"

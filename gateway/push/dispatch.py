@@ -294,7 +294,7 @@ class Dispatcher:
             if isinstance(outcome, Done):
                 sample = latency_sample(time.monotonic() - started, call)
         finally:
-            self._durably(stage, lambda: self._release_slot(stage, holder, sample))
+            self._durably(stage, lambda: self._release_slot(spec, stage, holder, sample))
         self._durably(stage, lambda: self._act(spec, stage, call, seq, stage_idx, token, outcome,
                                                probe=granted == "probe"))
 
@@ -536,7 +536,7 @@ class Dispatcher:
                 if outcome.platform_ids:
                     self.ledger.note(job_id, "platform_answered", **where, **outcome.platform_ids)
                 if polled is not None:  # a polled run's time (a trigger's is kept with its slot)
-                    self._note_latency(stage, call)
+                    self._note_latency(spec, stage, call)
                 commit_answer(self.ledger, spec, stage, seq, token, outcome.answer)
             elif isinstance(outcome, Accepted):
                 self.ledger.note(job_id, "awaiting_callback", **where, **outcome.platform_ids)
@@ -555,26 +555,27 @@ class Dispatcher:
             log.info("answer dropped: lease no longer current job_id=%s seq=%s attempt=%s",
                      job_id, seq, attempt)
 
-    def _release_slot(self, stage: Stage, holder: str, sample: str | None) -> None:
+    def _release_slot(self, spec: JobSpec, stage: Stage, holder: str, sample: str | None) -> None:
         """Give the call's slot on its target back and, for a call the platform answered, keep its time in
-        the target's latency list (the newest LATENCY_KEPT; dry runs estimate durations from it): one
-        round trip."""
+        the tenant's latency list for the target (the newest LATENCY_KEPT; its dry runs estimate durations
+        from it; per tenant, so no tenant learns of another's calls): one round trip."""
         tid = target_id(stage.target)
         if sample is None:
             self.ledger.r.zrem(self.ledger.keys.target_slots(tid), holder)
             return
+        latency = self.ledger.keys.target_latency(tid, spec.tenant)
         pipe = self.ledger.r.pipeline(transaction=False)
         pipe.zrem(self.ledger.keys.target_slots(tid), holder)
-        pipe.lpush(self.ledger.keys.target_latency(tid), sample)
-        pipe.ltrim(self.ledger.keys.target_latency(tid), 0, LATENCY_KEPT - 1)
+        pipe.lpush(latency, sample)
+        pipe.ltrim(latency, 0, LATENCY_KEPT - 1)
         pipe.execute()
 
-    def _note_latency(self, stage: Stage, call: StageCall) -> None:
+    def _note_latency(self, spec: JobSpec, stage: Stage, call: StageCall) -> None:
         """A polled run finished: keep its time, from its platform call to now (see _release_slot)."""
         if call.run_deadline_s is None:
             return
         took_s = time.time() - call.run_deadline_s + stage.max_run.total_seconds()
-        key = self.ledger.keys.target_latency(target_id(stage.target))
+        key = self.ledger.keys.target_latency(target_id(stage.target), spec.tenant)
         pipe = self.ledger.r.pipeline(transaction=False)
         pipe.lpush(key, latency_sample(took_s, call))
         pipe.ltrim(key, 0, LATENCY_KEPT - 1)
