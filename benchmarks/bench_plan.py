@@ -65,7 +65,8 @@ def main() -> None:
         try:
             time.sleep(3)  # let the worker boot
             run_job(service, 4 * parallel)  # history: the target's latency list
-            request = JobRequest(flow_id="slow-plan", source={"type": "sequence", "count": batches}, dry_run=True)
+            request = JobRequest(flow_id="slow-plan", source={"type": "sequence", "count": batches},
+                                 dry_run=True)
             plan = service.plan("bench", request, target_id)
             job_id, actual = run_job(service, batches)
             planned = int(ledger.r.hget(ledger.keys.job(job_id).job, "next_seq"))

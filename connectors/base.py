@@ -159,7 +159,9 @@ class Usage:
                 value = -1.0
             if 0 <= value < 1e12:
                 amount = f"{value:.10g}"
-        code = currency.strip().upper()[:8] if isinstance(currency, str) and currency.strip().isalpha() else None
+        code = None
+        if isinstance(currency, str) and currency.strip().isalpha():
+            code = currency.strip().upper()[:8]
         if n is None and amount is None:
             return None
         return cls(n, amount, code)

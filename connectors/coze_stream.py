@@ -107,8 +107,9 @@ def usage_of(raw: Any) -> Usage | None:
     if not isinstance(raw, dict):
         return None
     tokens = raw.get("token_count")
-    if tokens is None and isinstance(raw.get("input_count"), int) and isinstance(raw.get("output_count"), int):
-        tokens = raw["input_count"] + raw["output_count"]
+    counts = raw.get("input_count"), raw.get("output_count")
+    if tokens is None and all(isinstance(n, int) for n in counts):
+        tokens = counts[0] + counts[1]
     return Usage.parse(tokens)
 
 

@@ -25,12 +25,12 @@ docs/connectors-failure-modes.md lists every failure and its class, with the sou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import closing
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote

@@ -67,10 +67,11 @@ PLATFORM_SECONDS = Histogram("batchgate_platform_call_seconds", "Platform call l
 PLATFORM_IN_FLIGHT = Gauge("batchgate_platform_calls_in_flight", "Platform calls under way by target",
                            ["target"], multiprocess_mode="livesum")
 CALL_REASONS = frozenset({"first", "retry", "rerun", "bisection"})
-STAGE_CALLS = Counter("batchgate_stage_calls", "Platform and pull calls whose answer the ledger took, by stage "
-                      "and why they ran (first, retry, rerun: after a lost worker or callback, bisection)",
-                      ["stage", "reason"])
-STAGE_TOKENS = Counter("batchgate_stage_tokens", "Tokens platforms reported for those calls", ["stage", "reason"])
+STAGE_CALLS = Counter("batchgate_stage_calls", "Platform and pull calls whose answer the ledger took, by "
+                      "stage and why they ran (first, retry, rerun: after a lost worker or callback, "
+                      "bisection)", ["stage", "reason"])
+STAGE_TOKENS = Counter("batchgate_stage_tokens", "Tokens platforms reported for those calls",
+                       ["stage", "reason"])
 STAGE_PRICE = Counter("batchgate_stage_price", "Price platforms reported for those calls, by currency",
                       ["stage", "reason", "currency"])
 BUDGET_PAUSES = Counter("batchgate_budget_pauses", "Jobs paused by their flow's cost budget")

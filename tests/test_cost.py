@@ -66,7 +66,8 @@ def test_job_cost_is_what_the_platform_billed_and_a_dry_run_counts_its_batches(
     assert second["duration_s"] is not None and second["stages"][0]["call_seconds_samples"] == 5
 
 
-@pytest.mark.parametrize(("budget", "named"), [({"tokens": 350}, "350 tokens"), ({"price": 0.07}, "0.07 price")])
+@pytest.mark.parametrize(("budget", "named"), [({"tokens": 350}, "350 tokens"),
+                                               ({"price": 0.07}, "0.07 price")])
 def test_budget_pauses_the_job_before_the_call_that_would_pass_it(settings, redis_client, tmp_path, budget,
                                                                   named):
     with billing_dify() as dify, push_stack(settings, redis_client, tmp_path / "data", workers=0,
@@ -119,7 +120,8 @@ def test_a_worker_killed_mid_call_shows_its_rerun_as_redone_with_its_cost(settin
 
 PULL_FLOW = {"id": "pull-cost", "version": "1", "batching": {"max_items": 5},
              "source": {"type": "sequence", "count": 12},
-             "stages": [{"name": "score", "lease": 30, "retry": {"maximum_attempts": 3, "initial_interval": 0.01}},
+             "stages": [{"name": "score", "lease": 30,
+                         "retry": {"maximum_attempts": 3, "initial_interval": 0.01}},
                         {"name": "store", "lease": 30}]}
 
 
@@ -152,7 +154,9 @@ def test_pull_clients_report_usage_and_the_cli_plans_and_shows_cost(api, monkeyp
             time.sleep(0.05)
             continue
         usage = {"tokens": 10, "price": 0.5, "currency": "eur"} if env["stage"] == "score" else None
-        body = {"lease_token": env["lease_token"], "output": {"ok": True}, **({"usage": usage} if usage else {})}
+        body = {"lease_token": env["lease_token"], "output": {"ok": True}}
+        if usage:
+            body["usage"] = usage
         assert api.post(f"{path}/complete", json=body).status_code == 200
     assert api.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded"
     code, out = cli("jobs", "cost", job_id)
@@ -244,7 +248,8 @@ def test_a_pull_step_that_commits_and_leases_in_one_request_counts_its_usage(api
     env = api.post(f"/v1/jobs/{job_id}/lease", json={}).json()
     tokens = 3
     while env is not None:
-        body = {"lease_token": env["lease_token"], "output": 1, "lease_next": True, "usage": {"tokens": tokens}}
+        body = {"lease_token": env["lease_token"], "output": 1, "lease_next": True,
+                "usage": {"tokens": tokens}}
         env = api.post(f"/v1/jobs/{job_id}/batches/{env['seq']}/complete", json=body).json()["next"]
         tokens += 1
     job = api.get(f"/v1/jobs/{job_id}").json()

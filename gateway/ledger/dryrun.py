@@ -109,7 +109,8 @@ def stage_plan(stage: Stage, batches: int | None, samples: list[float], past: di
         "stage": stage.name, "calls": calls, "parallel": parallel,
         "call_seconds": None if call_s is None else round(call_s, 3),
         "call_seconds_from": source, "call_seconds_samples": seen, "call_seconds_confidence": _sureness(seen),
-        "seconds": None if call_s is None or calls is None else round(math.ceil(calls / parallel) * call_s, 3),
+        "seconds": (None if call_s is None or calls is None
+                    else round(math.ceil(calls / parallel) * call_s, 3)),
     }
     if stage.approval is not None:
         plan.update(seconds=None, call_seconds_confidence="unknown", call_seconds_from="a person decides")

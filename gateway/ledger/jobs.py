@@ -36,7 +36,8 @@ class JobRequest(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)
     source: dict[str, Any] | None = None
     dry_run: bool = Field(default=False, description="plan only: answer the batches, calls, duration and "
-                          "cost the job would take (docs/design.md \"Plan\"); no job is created, no call made")
+                          "cost the job would take (docs/design.md \"Plan\"); no job is created, no "
+                          "call made")
 
 
 class ResumeRequest(BaseModel):

@@ -519,7 +519,8 @@ class Ledger(ControlOps, ApprovalOps):
             return done, None
 
     def _complete_call(self, spec: JobSpec, seq: int, token: str, output: Any, next_cursor: Any,
-                       items: list | None, actor: str, usage: Usage | None = None) -> tuple[list[str], list[Any]]:
+                       items: list | None, actor: str,
+                       usage: Usage | None = None) -> tuple[list[str], list[Any]]:
         """complete.lua's KEYS and ARGV."""
         fetches = spec.flow.stages[0].fetches
         if items is not None and not fetches:

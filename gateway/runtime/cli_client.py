@@ -165,7 +165,8 @@ def jobs_create(client: Client, flow: str, source: str | None, params: str | Non
 
 
 @http_command(jobs, "plan")
-@click.option("--flow", "flow", required=True, metavar="ID[@VERSION]", help="the flow (latest version if none)")
+@click.option("--flow", "flow", required=True, metavar="ID[@VERSION]",
+              help="the flow (latest version if none)")
 @click.option("--source", default=None, metavar="JSON|@FILE", help="the job's source (else the flow's)")
 @click.option("--params", default=None, metavar="JSON|@FILE", help="params every stage receives")
 @click.option("--json", "as_json", is_flag=True, help="the whole plan as JSON")
@@ -173,7 +174,8 @@ def jobs_plan(client: Client, flow: str, source: str | None, params: str | None,
     """Plan a job without running it: batches, calls per stage, expected duration and cost, and how sure
     each figure is. Reads the source; creates no job and calls no platform."""
     flow_id, version = flow_ref(flow)
-    plan = client.plan_job(flow_id, version, json_or_file(params, "--params"), json_or_file(source, "--source"))
+    plan = client.plan_job(flow_id, version, json_or_file(params, "--params"),
+                           json_or_file(source, "--source"))
     if as_json:
         print_json(plan)
         return 0
@@ -183,7 +185,9 @@ def jobs_plan(client: Client, flow: str, source: str | None, params: str | None,
 
 
 def _figure(value: Any, unit: str = "") -> str:
-    return "unknown" if value is None else f"{value:g}{unit}" if isinstance(value, float) else f"{value}{unit}"
+    if value is None:
+        return "unknown"
+    return f"{value:g}{unit}" if isinstance(value, float) else f"{value}{unit}"
 
 
 def plan_lines(plan: dict[str, Any]) -> list[str]:
@@ -234,8 +238,9 @@ def cost_lines(cost: dict[str, Any]) -> list[str]:
     lines += [line(f"  {name}", c) for name, c in cost.get("stages", {}).items()]
     budget = cost.get("budget")
     if budget:
-        lines.append(f"budget             tokens {_figure(budget['tokens'])}, price {_figure(budget['price'])}"
-                     + (f"; paused: {budget['paused']}" if budget.get("paused") else ""))
+        paused = f"; paused: {budget['paused']}" if budget.get("paused") else ""
+        lines.append(f"budget             tokens {_figure(budget['tokens'])}, "
+                     f"price {_figure(budget['price'])}{paused}")
     return lines
 
 
