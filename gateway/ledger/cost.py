@@ -2,7 +2,7 @@
 
 complete.lua and fail.lua count each call in the job's cost hash (keys.py ``JobKeys.cost``, lib.lua
 ``record_cost``) in the step that takes its answer. This module turns that hash into the job view's
-``cost`` section and reads a flow's recent jobs for dry runs' cost estimates (plan.py).
+``cost`` section; dryrun.py reads the same hashes of a flow's recent jobs for its estimates.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _num(fields: dict[str, str], name: str) -> float:
 
 
 def _figures(fields: dict[str, str], suffix: str = "") -> dict[str, Any]:
-    """One scope's figures (the job's: suffix ''; a stage's: ':<index>')."""
+    """One stage's figures (``suffix`` ':<index>'; '' reads the job-wide fields, kept only for budgets)."""
     def n(name: str) -> int:
         return int(_num(fields, name + suffix))
 
