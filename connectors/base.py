@@ -32,6 +32,7 @@ included, at most once a second), where the gateway heartbeats the lease.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import hmac
@@ -73,7 +74,7 @@ class PlatformError(Exception):
                  status: int | None = None, code: str | None = None,
                  platform_ids: dict[str, str] | None = None, outage: bool = False,
                  handle: dict[str, Any] | None = None, booting: bool = False,
-                 prompt: str | None = None) -> None:
+                 prompt: str | None = None, usage: Usage | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.retry = retry
@@ -91,6 +92,8 @@ class PlatformError(Exception):
         self.handle = handle
         #: with code WAITING_HUMAN: what the platform asks the person (clipped), when its API tells
         self.prompt = prompt
+        #: what the platform reported the failed run cost (a Dify run that failed after its LLM nodes ran)
+        self.usage = usage
 
     def retryable_for(self, stage_idempotent: bool) -> bool:
         """Whether the gateway may try again, given the stage's idempotency."""
@@ -133,6 +136,42 @@ class Decision:
 
 
 @dataclass(frozen=True)
+class Usage:
+    """What a platform reported a call cost: tokens, price (decimal text, as platforms send it) and its
+    currency; None where it reports nothing. n8n reports none (its calls are counted by duration only)."""
+
+    tokens: int | None = None
+    price: str | None = None
+    currency: str | None = None
+
+    @classmethod
+    def parse(cls, tokens: Any = None, price: Any = None, currency: Any = None) -> Usage | None:
+        """A Usage from a platform's raw fields, dropping what is not a count, an amount or a currency
+        code; None when nothing is left."""
+        n = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0 else None
+        if isinstance(tokens, str) and tokens.isdigit():
+            n = int(tokens)
+        amount = None
+        if isinstance(price, (int, float, str)) and not isinstance(price, bool):
+            try:
+                value = float(price)
+            except ValueError:
+                value = -1.0
+            if 0 <= value < 1e12:
+                amount = f"{value:.10g}"
+        code = None
+        if isinstance(currency, str) and currency.strip().isalpha():
+            code = currency.strip().upper()[:8]
+        if n is None and amount is None:
+            return None
+        return cls(n, amount, code)
+
+    def public(self) -> dict[str, Any]:
+        """The JSON form (the pull ``complete`` body's ``usage`` and the cost ledger's input)."""
+        return {"tokens": self.tokens, "price": self.price, "currency": self.currency}
+
+
+@dataclass(frozen=True)
 class Answer:
     """A stage's result, from a sync response, a callback or a finished poll (the public contract)."""
 
@@ -146,9 +185,24 @@ class Answer:
     #: opens an approval showing ``prompt`` instead of committing or failing
     waiting: bool = False
     prompt: Any = None
+    #: what the platform reported the call cost (a callback body's optional ``usage``, a Dify run's
+    #: ``total_tokens``...); None: nothing reported
+    usage: Usage | None = None
 
     @classmethod
     def parse(cls, body: Any) -> Answer:
+        """Read ``{"status", "output", "next_cursor"?, "error": {...}, "usage"?}`` (see parse_body);
+        ``usage`` is ``{"tokens", "price", "currency"}``, each optional."""
+        answer = cls.parse_body(body)
+        raw = body.get("usage")
+        if isinstance(raw, dict):
+            usage = Usage.parse(raw.get("tokens"), raw.get("price"), raw.get("currency"))
+            if usage is not None:
+                answer = dataclasses.replace(answer, usage=usage)
+        return answer
+
+    @classmethod
+    def parse_body(cls, body: Any) -> Answer:
         """Read ``{"status", "output", "next_cursor"?, "error": {"message", "retryable"}}``, or
         ``{"status": "waiting_human", "prompt"}``.
 

@@ -26,6 +26,7 @@ docs/connectors-failure-modes.md lists every failure and its class, with the sou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from contextlib import closing
 from dataclasses import dataclass
@@ -232,7 +233,7 @@ def _sync_outcome(body: dict[str, Any], call: StageCall, pids: dict[str, str]) -
         run = f"coze run {pids['execute_id']}" if pids.get("execute_id") else "the coze run"
         raise waiting_for_person(f"{run} stopped at {QUESTION_NODE}", call, platform_ids=pids,
                                  hint=WAITING_HINT, how=coze_stream.NO_EVENT_HOW)
-    return Done(_answer(data, pids, envelope=True), pids)
+    return Done(with_usage(_answer(data, pids, envelope=True), body.get("usage")), pids)
 
 
 def _checked_body(resp: requests.Response, call: StageCall, execute_id: str | None = None,
@@ -311,7 +312,8 @@ def _record_outcome(record: dict[str, Any], handle: dict[str, Any], call: StageC
     if status.lower() == "success":
         if record.get("is_output_trimmed") is True:  # coze.com: the End node's output was cut
             raise output_trimmed(name, pids, TRIMMED_HINT)
-        return Done(_answer(record.get("output"), pids, wrapped=not studio), pids)
+        return Done(with_usage(_answer(record.get("output"), pids, wrapped=not studio), record.get("usage")),
+                    pids)
     if status.lower() == "fail":
         code = record.get("error_code")
         # coze.com / coze-py: error_message; Coze Studio's WorkflowExecuteHistory: error_msg
@@ -326,6 +328,12 @@ def _record_outcome(record: dict[str, Any], handle: dict[str, Any], call: StageC
                                  call, platform_ids=pids, hint=WAITING_HINT, how=coze_stream.NO_EVENT_HOW)
     raise PlatformError(f"{name} has execute_status {clip(status)!r}, which batchgate does not handle",
                         Retry.FATAL, platform_ids=pids)
+
+
+def with_usage(answer: Answer, raw: Any) -> Answer:
+    """``answer`` with the usage Coze reported, when it reported one."""
+    usage = coze_stream.usage_of(raw)
+    return answer if usage is None else dataclasses.replace(answer, usage=usage)
 
 
 def _answer(output: Any, pids: dict[str, str], *, wrapped: bool = False, envelope: bool = False) -> Answer:

@@ -20,6 +20,7 @@ settled by the run's history, so a repeated resume reads the result instead of f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from contextlib import closing
@@ -28,7 +29,17 @@ from typing import Any
 import requests
 import urllib3
 
-from connectors.base import Decision, Done, Outcome, PlatformError, Retry, Running, StageCall, WaitingHuman
+from connectors.base import (
+    Decision,
+    Done,
+    Outcome,
+    PlatformError,
+    Retry,
+    Running,
+    StageCall,
+    Usage,
+    WaitingHuman,
+)
 from connectors.coze_codes import FATAL_CODES, run_evidence
 from connectors.sse import frames
 from connectors.transport import (
@@ -62,6 +73,7 @@ def read(resp: requests.Response, call: StageCall, answer_of: AnswerOf,
     pids = dict(pids or {})
     nodes: dict[str, list[str]] = {}
     last_done: str | None = None
+    usage: Any = None
     progress = Progress(call)
     try:
         for frame in frames(resp):
@@ -73,10 +85,13 @@ def read(resp: requests.Response, call: StageCall, answer_of: AnswerOf,
                 nodes.setdefault(title, []).append(str(data.get("content") or ""))
                 if data.get("node_is_finish"):
                     last_done = title
+                usage = data.get("usage") or usage  # Coze puts the run's usage on its last message
             elif kind == "Done":
                 pids.update(_execute_id(data.get("debug_url")))
                 content = "".join(nodes.get(last_done, [])) if last_done is not None else None
-                return Done(answer_of(content, pids), pids)
+                answer = answer_of(content, pids)
+                found = usage_of(usage)
+                return Done(answer if found is None else dataclasses.replace(answer, usage=found), pids)
             elif kind == "Interrupt":
                 raise interrupted(call, data, nodes, pids)
             elif kind == "Error":
@@ -84,6 +99,18 @@ def read(resp: requests.Response, call: StageCall, answer_of: AnswerOf,
     except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
         return _broke(call, pids, exc)
     return _broke(call, pids, None)
+
+
+def usage_of(raw: Any) -> Usage | None:
+    """Coze's ``usage`` (a sync answer, a run history record, a stream message): ``token_count``, else
+    ``input_count`` + ``output_count``; Coze reports no price."""
+    if not isinstance(raw, dict):
+        return None
+    tokens = raw.get("token_count")
+    counts = raw.get("input_count"), raw.get("output_count")
+    if tokens is None and all(isinstance(n, int) for n in counts):
+        tokens = counts[0] + counts[1]
+    return Usage.parse(tokens)
 
 
 def _execute_id(debug_url: Any) -> dict[str, str]:

@@ -25,6 +25,7 @@ docs/connectors-failure-modes.md lists every failure and its class, with the sou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -46,6 +47,7 @@ from connectors.base import (
     Retry,
     Running,
     StageCall,
+    Usage,
     WaitingHuman,
     map_fields,
 )
@@ -224,10 +226,12 @@ def _run_outcome(data: Any, pids: dict[str, str], call: StageCall) -> Outcome:
     pids = {**ids(workflow_run_id=data.get("id")), **pids}
     run_id, status = pids.get("workflow_run_id"), data.get("status")
     if status in UNVERIFIED.succeeded_statuses:
-        return Done(answer_from_value(parse_json_text(data.get("outputs")), pids), pids)
+        answer = answer_from_value(parse_json_text(data.get("outputs")), pids)
+        return Done(dataclasses.replace(answer, usage=run_usage(data) or answer.usage), pids)
     if status == "failed":
         message = clip(data.get("error") or "no error message", call)
-        raise PlatformError(f"dify run {run_id} failed: {message}", Retry.IF_IDEMPOTENT, platform_ids=pids)
+        raise PlatformError(f"dify run {run_id} failed: {message}", Retry.IF_IDEMPOTENT, platform_ids=pids,
+                            usage=run_usage(data))
     if status == "stopped":
         raise PlatformError(f"dify run {run_id} was stopped", Retry.FATAL, platform_ids=pids)
     if status in UNVERIFIED.paused_statuses:
@@ -240,6 +244,16 @@ def _run_outcome(data: Any, pids: dict[str, str], call: StageCall) -> Outcome:
         return Running({"run_id": run_id}, pids, status=str(status))
     raise PlatformError(f"dify run {run_id} has status {clip(status)!r}, which batchgate does not handle",
                         Retry.FATAL, platform_ids=pids)
+
+
+def run_usage(data: dict[str, Any]) -> Usage | None:
+    """What a run record reports it cost: ``total_tokens`` (blocking ``data``, ``workflow_finished``'s
+    ``data``, ``GET /workflows/run/<id>``), with ``total_price`` and ``currency`` where the record carries
+    them (at its top or in ``execution_metadata``, as node records do)."""
+    meta = data.get("execution_metadata") if isinstance(data.get("execution_metadata"), dict) else {}
+    return Usage.parse(data.get("total_tokens", meta.get("total_tokens")),
+                       data.get("total_price", meta.get("total_price")),
+                       data.get("currency", meta.get("currency")))
 
 
 def code_retry(code: Any) -> Retry | None:

@@ -217,8 +217,22 @@ class Client:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return self.call("POST", "/v1/jobs", body, headers)
 
+    def plan_job(self, flow_id: str, flow_version: str | None = None, params: dict[str, Any] | None = None,
+                 source: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A dry run: batches, calls per stage, expected duration and cost, each with how sure it is; no
+        job is created and no platform called."""
+        body: dict[str, Any] = {"flow_id": flow_id, "dry_run": True}
+        for key, value in (("flow_version", flow_version), ("params", params), ("source", source)):
+            if value is not None:
+                body[key] = value
+        return self.call("POST", "/v1/jobs", body)
+
     def job(self, job_id: str) -> Job:
         return self.call("GET", f"/v1/jobs/{_q(job_id)}")
+
+    def cost(self, job_id: str) -> dict[str, Any]:
+        """The job's cost ledger: calls, paid and redone calls, tokens, price, per stage."""
+        return self.job(job_id)["cost"]
 
     def jobs_page(self, status: str | None = None, flow_id: str | None = None, flow_version: str | None = None,
                   created_after: Any = None, created_before: Any = None, order: str | None = None,
@@ -327,10 +341,14 @@ class Client:
         return self.call("POST", f"/v1/jobs/{_q(job_id)}/batches/{int(seq)}/heartbeat", body)
 
     def complete(self, job_id: str, seq: int, lease_token: str, output: Any, next_cursor: Any = ...,
-                 items: list[Any] | None = None, lease_next: bool = False) -> dict[str, Any]:
+                 items: list[Any] | None = None, lease_next: bool = False,
+                 usage: dict[str, Any] | None = None) -> dict[str, Any]:
         """Commit; with ``lease_next`` the answer's ``next`` is the job's next batch (or None): one round
-        trip per step."""
+        trip per step. ``usage`` ({"tokens", "price", "currency"}): what the call cost, for the job's
+        cost ledger."""
         body: dict[str, Any] = {"lease_token": lease_token, "output": output}
+        if usage is not None:
+            body["usage"] = usage
         if lease_next:
             body["lease_next"] = True
         if next_cursor is not ...:
@@ -340,12 +358,15 @@ class Client:
         return self.call("POST", f"/v1/jobs/{_q(job_id)}/batches/{int(seq)}/complete", body)
 
     def fail(self, job_id: str, seq: int, lease_token: str, message: str, retryable: bool,
-             type: str | None = None) -> dict[str, Any]:  # noqa: A002 - the API's field name
+             type: str | None = None,  # noqa: A002 - the API's field name
+             usage: dict[str, Any] | None = None) -> dict[str, Any]:
         error: dict[str, Any] = {"message": message, "retryable": retryable}
         if type:
             error["type"] = type
-        return self.call("POST", f"/v1/jobs/{_q(job_id)}/batches/{int(seq)}/fail",
-                         {"lease_token": lease_token, "error": error})
+        body: dict[str, Any] = {"lease_token": lease_token, "error": error}
+        if usage is not None:
+            body["usage"] = usage
+        return self.call("POST", f"/v1/jobs/{_q(job_id)}/batches/{int(seq)}/fail", body)
 
     # approvals
     def approvals_page(self, status: str = "pending", limit: int | None = None,

@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -65,6 +66,15 @@ PLATFORM_SECONDS = Histogram("batchgate_platform_call_seconds", "Platform call l
                              buckets=CALL_BUCKETS)
 PLATFORM_IN_FLIGHT = Gauge("batchgate_platform_calls_in_flight", "Platform calls under way by target",
                            ["target"], multiprocess_mode="livesum")
+CALL_REASONS = frozenset({"first", "retry", "rerun", "bisection"})
+STAGE_CALLS = Counter("batchgate_stage_calls", "Platform and pull calls whose answer the ledger took, by "
+                      "stage and why they ran (first, retry, rerun: after a lost worker or callback, "
+                      "bisection)", ["stage", "reason"])
+STAGE_TOKENS = Counter("batchgate_stage_tokens", "Tokens platforms reported for those calls",
+                       ["stage", "reason"])
+STAGE_PRICE = Counter("batchgate_stage_price", "Price platforms reported for those calls, by currency",
+                      ["stage", "reason", "currency"])
+BUDGET_PAUSES = Counter("batchgate_budget_pauses", "Jobs paused by their flow's cost budget")
 WEBHOOK_DELIVERIES = Counter("batchgate_webhook_deliveries", "Event deliveries to subscribers by outcome",
                              ["outcome"])
 
@@ -75,6 +85,19 @@ def error_class(error_type: str | None, retryable: bool | None = None) -> str:
     if error_type:
         return "other"
     return "transient" if retryable else "fatal"
+
+
+def count_call(stage: str, reason: str, usage: Any = None, paused: bool = False) -> None:
+    """One call the ledger counted (complete.lua/fail.lua record_cost), with what it reported it cost."""
+    reason = reason if reason in CALL_REASONS else "other"
+    STAGE_CALLS.labels(stage, reason).inc()
+    if usage is not None and usage.tokens:
+        STAGE_TOKENS.labels(stage, reason).inc(usage.tokens)
+    if usage is not None and usage.price:
+        code = usage.currency if usage.currency and len(usage.currency) == 3 else "other"
+        STAGE_PRICE.labels(stage, reason, code).inc(float(usage.price))
+    if paused:
+        BUDGET_PAUSES.inc()
 
 
 @contextmanager

@@ -362,6 +362,10 @@ class FakeDify(FakePlatform):
         super().__init__()
         self.api_key = api_key
         self.stream_s = 3.0
+        #: tokens billed per item of a finished run (0: bills nothing, as before); price per token
+        self.tokens_per_item = 0
+        self.price_per_token = 0.0002
+        self.billed: list[tuple[str, int, str]] = []  # (run id, tokens, price) of every run billed
 
     def route(self, req: Recorded, reply: Reply) -> None:
         if bearer(req) != self.api_key:
@@ -393,8 +397,16 @@ class FakeDify(FakePlatform):
         if status == "succeeded":
             outputs = contract(run["items"]) if run["contract"] else {"count": len(run["items"])}
         error = "Node LLM run failed: quota" if status == "failed" else None
-        return {"id": run_id, "workflow_id": "wf-1", "status": status, "outputs": outputs, "error": error,
-                "elapsed_time": 0.1, "total_tokens": 0, "total_steps": 2, "created_at": int(time.time())}
+        record = {"id": run_id, "workflow_id": "wf-1", "status": status, "outputs": outputs, "error": error,
+                  "elapsed_time": 0.1, "total_tokens": 0, "total_steps": 2, "created_at": int(time.time())}
+        if self.tokens_per_item and status in ("succeeded", "failed"):
+            tokens = self.tokens_per_item * max(len(run["items"]), 1)
+            price = f"{tokens * self.price_per_token:.7f}"
+            with self._lock:
+                if run_id not in {b[0] for b in self.billed}:
+                    self.billed.append((run_id, tokens, price))
+            record.update(total_tokens=tokens, total_price=price, currency="USD")
+        return record
 
     def _poll(self, run_id: str, reply: Reply) -> None:
         polled = self.poll_run(run_id)

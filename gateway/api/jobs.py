@@ -18,6 +18,7 @@ from gateway.ledger.jobs import JobRequest, MigrateRequest, ResumeRequest, new_j
 from gateway.ledger.migrate import settle
 from gateway.ledger.quotas import Quotas
 from gateway.ledger.records import typed_entry
+from gateway.push.dispatch import target_id
 from gateway.validation import parse
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
@@ -31,8 +32,18 @@ def request_quotas() -> Quotas:
 
 
 @bp.post("")
-@idempotent
 def create():
+    """A dry run (``"dry_run": true``) answers the plan (200) and writes nothing: no job, no quota slot,
+    no idempotency record; otherwise the job is created (create_job)."""
+    body = json_body()
+    if body.get("dry_run") is True:
+        req = parse(JobRequest, body, "job request")
+        return request_services().jobs.plan(g.tenant, req, target_id), 200
+    return create_job()
+
+
+@idempotent
+def create_job():
     """429 (nothing written) past the tenant's active-jobs or creation-rate quota; else 201."""
     req = parse(JobRequest, json_body(), "job request")
     services = request_services()

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from flask import Blueprint, g, jsonify
 from pydantic import BaseModel, ConfigDict, Field
 
+from connectors.base import Usage
 from gateway.api.common import json_body, request_services
 from gateway.api.jobs import request_quotas
 from gateway.errors import QuotaExceeded
@@ -50,6 +51,21 @@ class CompleteRequest(BaseModel):
                              "Batchgate-Job-Status says whether to wait or stop); one round trip per step")
     next_stage: str | None = Field(default=None, max_length=64,
                                    description="lease_next: only a batch waiting for this stage")
+    usage: UsageReport | None = Field(default=None, description="what the call cost (tokens, price, "
+                                      "currency), counted in the job's cost ledger")
+
+
+class UsageReport(BaseModel):
+    """What the call cost, as the platform told the pull client (optional; counted in the cost ledger)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: int | None = Field(default=None, ge=0, le=10**12)
+    price: float | None = Field(default=None, ge=0, le=10**9)
+    currency: str | None = Field(default=None, pattern=r"^[A-Za-z]{1,8}$")
+
+    def usage(self) -> Usage | None:
+        return Usage.parse(self.tokens, self.price, self.currency)
 
 
 class FailureDetail(BaseModel):
@@ -65,6 +81,7 @@ class FailRequest(BaseModel):
 
     lease_token: str = Field(min_length=1, max_length=200)
     error: FailureDetail
+    usage: UsageReport | None = None
 
 
 @bp.post("/lease")
@@ -106,21 +123,24 @@ def complete(job_id: str, seq: int):
         opened = services.ledger.open_platform_approval(job_id, seq, req.lease_token, req.prompt,
                                                         timeout=timeout)
         return jsonify({"job_id": job_id, "seq": seq, "status": "waiting_human", **opened})
+    usage = req.usage.usage() if req.usage else None
     if not req.lease_next:
         return jsonify(services.ledger.complete(job_id, seq, req.lease_token, req.output, req.next_cursor,
-                                                req.items))
+                                                req.items, usage=usage))
     # the lease counts against the tenant's lease quota as a POST /lease would (asked first, so that a
     # step is one script when allowed); a refusal is no error of the commit: next is null, Retry-After
     # says when
     try:
         request_quotas().admit_lease(g.tenant)
     except QuotaExceeded as exc:
-        done = services.ledger.complete(job_id, seq, req.lease_token, req.output, req.next_cursor, req.items)
+        done = services.ledger.complete(job_id, seq, req.lease_token, req.output, req.next_cursor, req.items,
+                                        usage=usage)
         wait = int(exc.retry_after.total_seconds()) if exc.retry_after else 1
         return jsonify({**done, "next": None}), 200, {"Batchgate-Job-Status": "running",
                                                       "Retry-After": str(max(1, wait))}
     done, leased = services.ledger.complete_and_lease(job_id, seq, req.lease_token, req.output,
-                                                      req.next_cursor, req.items, stage=req.next_stage)
+                                                      req.next_cursor, req.items, stage=req.next_stage,
+                                                      usage=usage)
     if leased is None:
         status = services.ledger.job_fields(job_id)["status"]
         return jsonify({**done, "next": None}), 200, {"Batchgate-Job-Status": status}
@@ -133,4 +153,5 @@ def fail(job_id: str, seq: int):
     services.jobs.owned_spec(g.tenant, job_id)
     req = parse(FailRequest, json_body(), "failure report")
     return jsonify(services.ledger.fail(job_id, seq, req.lease_token, req.error.message,
-                                        req.error.retryable, req.error.type, actor=g.actor))
+                                        req.error.retryable, req.error.type, actor=g.actor,
+                                        usage=req.usage.usage() if req.usage else None))

@@ -221,6 +221,26 @@ class Batching(BaseModel):
     max_bytes: int | None = Field(default=None, ge=64)
 
 
+class Budget(BaseModel):
+    """What one job of the flow may spend on platform calls (docs/design.md "Cost ledger"): a job whose
+    spend passes it, or whose next call would at its mean cost per call, pauses with the reason."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: int | None = Field(default=None, ge=1)
+    price: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Budget:
+        if self.tokens is None and self.price is None:
+            raise ValueError("a budget needs tokens or price")
+        return self
+
+    def arg(self) -> str:
+        """The JSON lib.lua record_cost takes."""
+        return json.dumps({k: v for k, v in (("t", self.tokens), ("p", self.price)) if v is not None})
+
+
 class FlowSpec(BaseModel):
     """A flow as registered: the public contract of ``POST /v1/flows`` and the YAML files."""
 
@@ -237,13 +257,17 @@ class FlowSpec(BaseModel):
     retention: timedelta = Field(default=timedelta(days=7), gt=ZERO, le=timedelta(days=3650))
     sink: dict[str, Any] | None = Field(default=None, description="where committed outputs go "
                                         "(gateway/ledger/results.py); a job's own sink overrides it")
+    budget: Budget | None = None
 
     @model_serializer(mode="wrap")
-    def _omit_no_sink(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """``sink`` unset is left out of the stored definition: flows without one keep their hash."""
+    def _omit_unset_options(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """``sink`` and ``budget`` unset are left out of the stored definition: flows without them keep
+        their hash."""
         data = handler(self)
-        if isinstance(data, dict) and self.sink is None:
-            data.pop("sink", None)
+        if isinstance(data, dict):
+            for name in ("sink", "budget"):
+                if getattr(self, name) is None:
+                    data.pop(name, None)
         return data
 
     @model_validator(mode="after")

@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import chunker
 from gateway.errors import CorruptRecord, FlowVersionMismatch, InvalidRequest, NotFound, shown
+from gateway.ledger import dryrun
+from gateway.ledger.cost import cost_view
 from gateway.ledger.flows import NAME, FlowRegistry, FlowSpec, validate_source
 from gateway.ledger.jobindex import STATUSES as STATUSES  # re-exported (openapi)
 from gateway.ledger.joblist import ListQuery, Page, list_jobs
@@ -46,6 +48,9 @@ class JobRequest(BaseModel):
     source: dict[str, Any] | None = None
     sink: dict[str, Any] | None = Field(default=None, description="where committed outputs go (overrides "
                                         "the flow's): jsonl/csv file, http endpoint or discard")
+    dry_run: bool = Field(default=False, description="plan only: answer the batches, calls, duration and "
+                          "cost the job would take (docs/design.md \"Plan\"); no job is created, no "
+                          "call made")
 
 
 class ResumeRequest(BaseModel):
@@ -90,6 +95,14 @@ class JobService:
     def create(self, tenant: str, req: JobRequest, job_id: str | None = None) -> dict[str, Any]:
         """Create a job (under ``job_id`` if given: the id a quota admitted); reads (and drops) at most
         the source's first batch, to refuse an unreadable one."""
+        spec, inline = self.prepare(tenant, req, job_id or new_job_id())
+        create_sink_file(spec.sink, self.ledger.settings, tenant)  # the last check: it makes the file
+        self.ledger.create_job(spec, initial_cursor(spec.source, len(inline or ())), inline)
+        return self.view(tenant, spec.job_id)
+
+    def prepare(self, tenant: str, req: JobRequest, job_id: str) -> tuple[JobSpec, list | None]:
+        """The spec a job made from ``req`` would have, and its inline items, checked as creation checks
+        them (the flow, the source, the batch bound, the source's first batch); nothing is written."""
         record = self.flows.get(tenant, req.flow_id, req.flow_version)
         flow = FlowSpec.model_validate(record["flow"])
         source = req.source if req.source is not None else flow.source
@@ -105,17 +118,19 @@ class JobService:
         check_batch_bound(flow.batching, source, self.ledger.settings)  # 422 before the probe reads
         # 422/503 now rather than failing every lease later; a path must be one the tenant may read
         total_bytes = probe_source(source, flow, self.ledger.settings, tenant)
-        job_id = job_id or new_job_id()
         sink = job_sink(parse_sink(req.sink) if req.sink is not None else flow.sink, job_id)
         if sink and sink["type"] == "http":
             check_sink_url(sink["url"], self.ledger.settings)
-        create_sink_file(sink, self.ledger.settings, tenant)  # the last check: it makes the file
         spec = JobSpec(job_id=job_id, tenant=tenant, flow=flow, flow_hash=record["hash"],
                        source=source, params=req.params,
                        total_hint=total_hint(source, len(inline) if inline is not None else None),
                        total_bytes=total_bytes, key_scheme="range", sink=sink)
-        self.ledger.create_job(spec, initial_cursor(source, len(inline or ())), inline)
-        return self.view(tenant, spec.job_id)
+        return spec, inline
+
+    def plan(self, tenant: str, req: JobRequest, target_id: Any) -> dict[str, Any]:
+        """A dry run (dryrun.py): what the job would take; nothing is written, no platform called."""
+        spec, inline = self.prepare(tenant, req, "job_dryrun")
+        return dryrun.plan(spec, inline, self.ledger.r, self.ledger.keys, self.ledger.settings, target_id)
 
     def owned_spec(self, tenant: str, job_id: str) -> JobSpec:
         """The job's spec if ``tenant`` owns it; NotFound otherwise (no hint that it exists)."""
@@ -134,7 +149,13 @@ class JobService:
         if spec.sink:
             state = SinkState.from_fields(self.ledger.r.hgetall(self.ledger.keys.job(job_id).sink))
             view["sink"] = state.view(spec.sink, int(job["wm"]))
+        view["cost"] = self.cost(tenant, job_id, spec)
         return view
+
+    def cost(self, tenant: str, job_id: str, spec: JobSpec | None = None) -> dict[str, Any]:
+        """The job's cost ledger (cost.py): calls, paid and redone calls, tokens, price, per stage."""
+        spec = spec or self.owned_spec(tenant, job_id)
+        return cost_view(spec, self.ledger.r.hgetall(self.ledger.keys.job(job_id).cost))
 
     @staticmethod
     def render(spec: JobSpec, job_id: str, job: dict[str, str], leased: int) -> dict[str, Any]:
@@ -180,6 +201,8 @@ class JobService:
             "source_exhausted": job["exhausted"] == "1",
             "error": job.get("error") or None,
             "held_reason": job.get("held_reason") or None,
+            # why the job paused itself (its cost budget, lib.lua record_cost); None after a resume
+            "paused_reason": (job.get("paused_reason") or None) if job["status"] == "paused" else None,
             "source_error": job.get("src_error") or None,
             # batches waiting for an unavailable platform target (no attempt spent while they wait)
             "waiting": {"reason": job["waiting"], "target": job.get("waiting_target") or None,

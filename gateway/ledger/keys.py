@@ -29,6 +29,9 @@ Per job (owner: the ledger scripts; expiry: retention, see ``Ledger.apply_retent
 ``<p>:{<job>}:approval:<seq>.<stage>.<round>``  hash  one approval (approvals.py), sealed with a checksum
 ``<p>:{<job>}:approvals``      zset    every approval id of the job; score = created (ms)
 ``<p>:{<job>}:approvals:due``  zset    pending approval ids; score = deadline (ms): the supervisor's timeouts
+``<p>:{<job>}:cost``           hash    the cost ledger: calls, paid calls, redone calls, tokens, price and
+                                       call time, in total and per stage index (``<field>:<stage>``);
+                                       written by complete.lua/fail.lua (lib.lua record_cost)
 ``<p>:{<job>}:planlock``       string  who is reading the source to plan the next batch, short TTL
 ``<p>:{<job>}:recover``        string  supervisor recovery claim, short TTL
 ``<p>:{<job>}:supclaim``       string  a supervisor looking at the job now (SET NX PX, due.py)
@@ -87,6 +90,9 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
 ``<p>:target:{<id>}:slots``           zset    calls in flight to one platform target; score = expiry
 ``<p>:target:{<id>}:breaker``         hash    an open circuit breaker: the target is unavailable
                                               (since_ms, until_ms, fails, error, probe_ms); breaker.lua
+``<p>:target:{<id>}:latency:<tenant>``  list  the tenant's newest call durations on that target
+                                              (``<ms> <items>``), capped (dispatch.py LATENCY_KEPT);
+                                              read by the tenant's dry runs; no expiry (bounded)
 ``<p>:target:{<id>}:waiting``         set     job ids with batches waiting for that target to answer
 ``<p>:push:jobs``                     set     job ids with push stages the workers feed (kick adds)
 ``<p>:sink:jobs``                     set     job ids with a result sink that may have batches to
@@ -170,6 +176,10 @@ class JobKeys:
     def call(self, call_id: str) -> str:
         """The first answer of one script call (scripts.observed_source), kept for JOURNAL_MS."""
         return f"{self._base}:call:{call_id}"
+
+    @property
+    def cost(self) -> str:
+        return f"{self._base}:cost"
 
     @property
     def plan_lock(self) -> str:
@@ -291,6 +301,9 @@ class Keys:
 
     def target_breaker(self, target_id: str) -> str:
         return f"{self.prefix}:target:{{{target_id}}}:breaker"
+
+    def target_latency(self, target_id: str, tenant: str) -> str:
+        return f"{self.prefix}:target:{{{target_id}}}:latency:{tenant}"
 
     def target_waiting(self, target_id: str) -> str:
         return f"{self.prefix}:target:{{{target_id}}}:waiting"

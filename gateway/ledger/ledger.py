@@ -16,6 +16,7 @@ from typing import Any
 import redis
 
 import chunker
+from connectors.base import Usage
 from gateway import metrics
 from gateway.errors import (
     Conflict,
@@ -483,20 +484,23 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
 
     def complete(self, job_id: str, seq: int, token: str, output: Any,
                  next_cursor: Any = ABSENT, items: list | None = None,
-                 actor: str = "worker") -> dict[str, Any]:
+                 actor: str = "worker", usage: Usage | None = None) -> dict[str, Any]:
         """Commit the leased stage's output: one script, one round trip.
 
-        A fetching first stage gives the batch its items in ``items``, or as ``output["items"]``.
+        A fetching first stage gives the batch its items in ``items``, or as ``output["items"]``. The call
+        is counted in the job's cost ledger in the same script, with ``usage`` (what the platform or pull
+        client reported it cost) when given.
         """
         spec = self.spec(job_id)
-        keys, args = self._complete_call(spec, seq, token, output, next_cursor, items, actor)
+        keys, args = self._complete_call(spec, seq, token, output, next_cursor, items, actor, usage)
         started = time.monotonic()
         res = self.scripts.complete(keys=keys, args=args)
-        return self._completed(spec, seq, res, started)
+        return self._completed(spec, seq, res, started, usage)
 
     def complete_and_lease(self, job_id: str, seq: int, token: str, output: Any,
                            next_cursor: Any = ABSENT, items: list | None = None, actor: str = "worker",
-                           stage: str | None = None) -> tuple[dict[str, Any], Lease | None]:
+                           stage: str | None = None,
+                           usage: Usage | None = None) -> tuple[dict[str, Any], Lease | None]:
         """Commit the leased stage's output and lease the job's next ready pull stage (only ``stage``
         if given), in one script and one round trip when a batch is ready: a pull loop's step.
 
@@ -505,15 +509,15 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         None)."""
         spec = self.spec(job_id)
         stages = self._stage_filter(spec, stage)
-        keys, args = self._complete_call(spec, seq, token, output, next_cursor, items, actor)
+        keys, args = self._complete_call(spec, seq, token, output, next_cursor, items, actor, usage)
         if not stages:  # no pull stage to lease: the commit alone
-            return self.complete(job_id, seq, token, output, next_cursor, items, actor), None
+            return self.complete(job_id, seq, token, output, next_cursor, items, actor, usage), None
         lkeys, largs, lease_token, holder, ahead = self._lease_args(spec, tuple(stages), None)
         started = time.monotonic()
         with due_index.hinted(job_id, self._min_lease(largs)):
             both = self.scripts.complete_lease(keys=[*keys, *lkeys],
                                                args=[len(keys), len(args), *args, *largs])
-        done = self._completed(spec, seq, both[0], started)
+        done = self._completed(spec, seq, both[0], started, usage)
         if both[1] is None:
             return done, None
         try:
@@ -523,7 +527,8 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
             return done, None
 
     def _complete_call(self, spec: JobSpec, seq: int, token: str, output: Any, next_cursor: Any,
-                       items: list | None, actor: str) -> tuple[list[str], list[Any]]:
+                       items: list | None, actor: str,
+                       usage: Usage | None = None) -> tuple[list[str], list[Any]]:
         """complete.lua's KEYS and ARGV."""
         fetches = spec.flow.stages[0].fetches
         if items is not None and not fetches:
@@ -535,14 +540,16 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         k = self.keys.job(spec.job_id)
         ready = self._ready_keys(spec)
         keys = [k.job, k.batch(seq), k.items(seq), k.leases, k.done, k.log, *ready,
-                k.approvals, k.approvals_due, *gate_keys(self, spec, seq), k.events]
+                k.approvals, k.approvals_due, *gate_keys(self, spec, seq), k.cost, k.events]
         args = [token, dumps(output), "" if next_cursor is ABSENT else dumps(next_cursor),
                 "" if items is None else dumps(items), len(items or ()), spec.stage_count,
                 self.settings.log_maxlen, spec.budget_total, spec.flow.tolerated_failure_percentage,
-                "1" if from_output else "0", actor, gates_arg(spec, 9 + len(ready)), spec.job_id, spec.tenant]
+                "1" if from_output else "0", actor, gates_arg(spec, 9 + len(ready)), spec.job_id, spec.tenant,
+                *cost_args(spec, usage)]
         return keys, args
 
-    def _completed(self, spec: JobSpec, seq: int, res: list, started: float) -> dict[str, Any]:
+    def _completed(self, spec: JobSpec, seq: int, res: list, started: float,
+                   usage: Usage | None = None) -> dict[str, Any]:
         """complete.lua's answer as the API gives it (or raised as a problem)."""
         job_id = spec.job_id
         if res[0] == "duplicate":
@@ -552,6 +559,8 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
             stage, attempt = int(res[4]), int(res[3])
             metrics.COMMIT_SECONDS.observe(time.monotonic() - started)
             metrics.BATCHES_COMMITTED.labels(spec.flow.stages[stage].name).inc()
+            if len(res) > 6:  # the call was counted in the cost ledger, for this reason
+                metrics.count_call(spec.flow.stages[stage].name, res[6], usage, paused=res[6 + 1] == "1")
             log.info("stage committed job_id=%s seq=%s stage=%s attempt=%s job_status=%s",
                      job_id, seq, stage, attempt, res[2])
             if len(res) > 5 and res[5]:
@@ -561,8 +570,9 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
 
     def fail(self, job_id: str, seq: int, token: str, message: str, retryable: bool = True,
              error_type: str | None = None, actor: str = "worker",
-             min_delay: timedelta | None = None) -> dict[str, Any]:
-        """Record a failed attempt: retried with backoff, or failed for good."""
+             min_delay: timedelta | None = None, usage: Usage | None = None) -> dict[str, Any]:
+        """Record a failed attempt: retried with backoff, or failed for good; the call is counted in the
+        job's cost ledger in the same script (with ``usage`` when the platform reported one)."""
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
         stage = spec.flow.stages[int(self._batch_fields(job_id, seq)["stage"])]
@@ -576,18 +586,21 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         res = self.scripts.fail(
             keys=[k.job, k.batch(seq), k.leases, k.failed, k.log, *ready,
                   k.quarantine, k.done, k.items(seq), k.approvals, k.approvals_due,
-                  *gate_keys(self, spec, seq), k.events],
+                  *gate_keys(self, spec, seq), k.cost, k.events],
             args=[token, message[:2000], "1" if retryable else "0", *self._policy_args(policy),
                   self.settings.log_maxlen, spec.budget_total,
                   spec.flow.tolerated_failure_percentage, actor,
                   int(min_delay.total_seconds() * 1000) if min_delay else 0, error_type or "",
-                  cap, spec.stage_count, gates_arg(spec, 11 + len(ready)), job_id, spec.tenant])
+                  cap, spec.stage_count, gates_arg(spec, 11 + len(ready)), job_id, spec.tenant,
+                  *cost_args(spec, usage)])
         self._raise_for(res, job_id, seq)
         if res[0] in ("split", "quarantined"):
             log.info("batch bisected job_id=%s seq=%s attempt=%s outcome=%s", job_id, seq, res[1], res[0])
         counter = {"retry": metrics.BATCHES_RETRIED, "failed": metrics.BATCHES_FAILED}.get(res[0])
         if counter is not None:
             counter.labels(stage.name, metrics.error_class(error_type, retryable)).inc()
+        if len(res) > 3:
+            metrics.count_call(stage.name, res[3], usage, paused=res[4] == "1")
         log.info("stage failed job_id=%s seq=%s attempt=%s outcome=%s", job_id, seq, res[1], res[0])
         return {"job_id": job_id, "seq": seq, "attempt": int(res[1]), "outcome": res[0]}
 
@@ -689,8 +702,8 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         planned = int(self.job_fields(job_id)["next_seq"])
         compacted = int(self.r.hget(k.sink, "seq") or 0)  # records below it are range summaries now
         approvals = self.r.zrange(k.approvals, 0, -1)
-        return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.audit, k.events,
-                k.approvals, k.approvals_due, k.sink,
+        return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.audit, k.events, k.cost,
+                k.approvals, k.approvals_due, k.sink, k.quarantine,
                 *[k.approval(*(int(x) for x in a.split(".")[-3:])) for a in approvals],
                 *self._ready_keys(spec),
                 *[key for s in range(compacted, planned) for key in (k.batch(s), k.items(s))]]
@@ -739,6 +752,13 @@ class WindowedListView(RedisListView):
         if self._offset <= start and stop <= self._offset + len(self._window):
             return [loads_or_none(v) for v in self._window[start - self._offset:stop - self._offset]]
         return super()._read(start, stop)
+
+
+def cost_args(spec: JobSpec, usage: Usage | None) -> list[str]:
+    """complete.lua's ARGV[15..16] and fail.lua's ARGV[20..21]: the call's usage and the flow's budget (lib.lua
+    record_cost)."""
+    used = "" if usage is None else dumps({"t": usage.tokens, "p": usage.price, "c": usage.currency})
+    return [used, spec.flow.budget.arg() if spec.flow.budget is not None else ""]
 
 
 @functools.lru_cache(maxsize=4096)

@@ -78,6 +78,8 @@ OUTAGE_FIRST_COOLDOWN_MS = 1000
 BOOTING_COOLDOWN_MAX_MS = 2000
 #: The longest wait between two polls of a platform run (polls back off from the stage's poll_interval).
 POLL_BACKOFF_MAX_MS = 60_000
+#: Call durations kept per target for dry runs' estimates (Dispatcher._note_latency).
+LATENCY_KEPT = 200
 #: Longest list of kicked job ids kept for the workers (older kicks add nothing).
 WAKE_LIST_MAX = 1000
 #: Set when this worker process is stopping (SIGTERM): no new pump, and a stage attempt dequeued now
@@ -267,10 +269,12 @@ class Dispatcher:
         if granted not in ("ok", "probe"):  # the target filled up or began cooling since the lease
             self._begin(spec, stage, seq, stage_idx, token, mode="release", reason="target_busy")
             return
+        sample = None  # the call's time and item count, for the target's latency list (a Done only)
         try:
             if not self._begin(spec, stage, seq, stage_idx, token):
                 return
             call = self._call_for(spec, stage, lease)
+            started = time.monotonic()
             earlier = self._earlier_run(spec, seq, stage_idx) if lease.attempt > 1 else None
             if earlier is not None:
                 # an earlier attempt started a platform run whose outcome was never recorded (its
@@ -288,9 +292,10 @@ class Dispatcher:
             else:
                 outcome = self._guarded(call, stage,
                                         lambda: self._connector(stage).trigger(call, self.session))
+            if isinstance(outcome, Done):
+                sample = latency_sample(time.monotonic() - started, call)
         finally:
-            self._durably(stage, lambda: self.ledger.r.zrem(
-                self.ledger.keys.target_slots(target_id(stage.target)), holder))
+            self._durably(stage, lambda: self._release_slot(spec, stage, holder, sample))
         self._durably(stage, lambda: self._act(spec, stage, call, seq, stage_idx, token, outcome,
                                                probe=granted == "probe"))
 
@@ -532,10 +537,13 @@ class Dispatcher:
                     error_type = "outcome_unknown"
                 self.ledger.fail(job_id, seq, token, outcome.message,
                                  retryable=outcome.retryable_for(stage.idempotent),
-                                 error_type=error_type, actor="dispatcher", min_delay=delay)
+                                 error_type=error_type, actor="dispatcher", min_delay=delay,
+                                 usage=outcome.usage)
             elif isinstance(outcome, Done):
                 if outcome.platform_ids:
                     self.ledger.note(job_id, "platform_answered", **where, **outcome.platform_ids)
+                if polled is not None:  # a polled run's time (a trigger's is kept with its slot)
+                    self._note_latency(spec, stage, call)
                 commit_answer(self.ledger, spec, stage, seq, token, outcome.answer)
             elif isinstance(outcome, Accepted):
                 self.ledger.note(job_id, "awaiting_callback", **where, **outcome.platform_ids)
@@ -553,6 +561,32 @@ class Dispatcher:
         except (StaleLease, NotFound, JobCancelled):
             log.info("answer dropped: lease no longer current job_id=%s seq=%s attempt=%s",
                      job_id, seq, attempt)
+
+    def _release_slot(self, spec: JobSpec, stage: Stage, holder: str, sample: str | None) -> None:
+        """Give the call's slot on its target back and, for a call the platform answered, keep its time in
+        the tenant's latency list for the target (the newest LATENCY_KEPT; its dry runs estimate durations
+        from it; per tenant, so no tenant learns of another's calls): one round trip."""
+        tid = target_id(stage.target)
+        if sample is None:
+            self.ledger.r.zrem(self.ledger.keys.target_slots(tid), holder)
+            return
+        latency = self.ledger.keys.target_latency(tid, spec.tenant)
+        pipe = self.ledger.r.pipeline(transaction=False)
+        pipe.zrem(self.ledger.keys.target_slots(tid), holder)
+        pipe.lpush(latency, sample)
+        pipe.ltrim(latency, 0, LATENCY_KEPT - 1)
+        pipe.execute()
+
+    def _note_latency(self, spec: JobSpec, stage: Stage, call: StageCall) -> None:
+        """A polled run finished: keep its time, from its platform call to now (see _release_slot)."""
+        if call.run_deadline_s is None:
+            return
+        took_s = time.time() - call.run_deadline_s + stage.max_run.total_seconds()
+        key = self.ledger.keys.target_latency(target_id(stage.target), spec.tenant)
+        pipe = self.ledger.r.pipeline(transaction=False)
+        pipe.lpush(key, latency_sample(took_s, call))
+        pipe.ltrim(key, 0, LATENCY_KEPT - 1)
+        pipe.execute()
 
     def _outage(self, spec: JobSpec, stage: Stage, seq: int, stage_idx: int, token: str,
                 err: PlatformError) -> None:
@@ -596,6 +630,12 @@ class Dispatcher:
         log.info("target %s answers again; %d jobs no longer waiting", tid, len(waiting))
 
 
+def latency_sample(took_s: float, call: StageCall) -> str:
+    """One entry of a target's latency list: ``<ms> <items>`` (dryrun.latency_samples reads it)."""
+    items = call.envelope.get("items")
+    return f"{max(int(took_s * 1000), 0)} {len(items) if isinstance(items, list) else 0}"
+
+
 def commit_answer(ledger: Ledger, spec: JobSpec, stage: Stage, seq: int, token: str,
                   answer: Answer) -> dict[str, Any]:
     """Commit a platform's answer (sync, polled or callback) through the ledger's one commit path; an
@@ -604,9 +644,9 @@ def commit_answer(ledger: Ledger, spec: JobSpec, stage: Stage, seq: int, token: 
         return ledger.open_platform_approval(spec.job_id, seq, token, answer.prompt)
     if not answer.succeeded:
         return ledger.fail(spec.job_id, seq, token, answer.error_message or "platform reported failure",
-                           retryable=answer.error_retryable, actor="platform")
+                           retryable=answer.error_retryable, actor="platform", usage=answer.usage)
     next_cursor = answer.next_cursor if answer.has_next_cursor else ABSENT
-    return ledger.complete(spec.job_id, seq, token, answer.output, next_cursor)
+    return ledger.complete(spec.job_id, seq, token, answer.output, next_cursor, usage=answer.usage)
 
 
 # -- RQ entry points (importable by name; arguments are JSON) -----------------------------------

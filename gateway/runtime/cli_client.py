@@ -164,6 +164,86 @@ def jobs_create(client: Client, flow: str, source: str | None, params: str | Non
     return 0 if final["status"] == "succeeded" else 1
 
 
+@http_command(jobs, "plan")
+@click.option("--flow", "flow", required=True, metavar="ID[@VERSION]",
+              help="the flow (latest version if none)")
+@click.option("--source", default=None, metavar="JSON|@FILE", help="the job's source (else the flow's)")
+@click.option("--params", default=None, metavar="JSON|@FILE", help="params every stage receives")
+@click.option("--json", "as_json", is_flag=True, help="the whole plan as JSON")
+def jobs_plan(client: Client, flow: str, source: str | None, params: str | None, as_json: bool) -> int:
+    """Plan a job without running it: batches, calls per stage, expected duration and cost, and how sure
+    each figure is. Reads the source; creates no job and calls no platform."""
+    flow_id, version = flow_ref(flow)
+    plan = client.plan_job(flow_id, version, json_or_file(params, "--params"),
+                           json_or_file(source, "--source"))
+    if as_json:
+        print_json(plan)
+        return 0
+    for line in plan_lines(plan):
+        click.echo(line)
+    return 0
+
+
+def _figure(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "unknown"
+    return f"{value:g}{unit}" if isinstance(value, float) else f"{value}{unit}"
+
+
+def plan_lines(plan: dict[str, Any]) -> list[str]:
+    """A dry run, as a person reads it."""
+    cost = plan["cost"]
+    lines = [f"batches   {_figure(plan['batches'])} ({plan['batches_confidence']}"
+             + (f": {plan['batches_why']}" if plan.get("batches_why") else "") + ")"]
+    for stage in plan["stages"]:
+        call = _figure(stage["call_seconds"], " s")
+        lines.append(f"  {stage['stage']:<16} {_figure(stage['calls'])} calls, {stage['parallel']} at once, "
+                     f"{call} per call ({stage['call_seconds_confidence']}, "
+                     f"{stage['call_seconds_samples']} samples)")
+    lines.append(f"duration  {_figure(plan['duration_s'], ' s')} ({plan['duration_confidence']})")
+    lines.append(f"cost      {_figure(cost['tokens'])} tokens, price {_figure(cost['price'])} "
+                 f"({cost['confidence']})")
+    return lines
+
+
+@http_command(jobs, "cost")
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="the cost section as JSON")
+def jobs_cost(client: Client, job_id: str, as_json: bool) -> int:
+    """What a job's calls cost: calls, paid calls, calls redone after a lost worker or callback and what
+    they cost, tokens, price; per stage."""
+    cost = client.cost(job_id)
+    if as_json:
+        print_json(cost)
+        return 0
+    for line in cost_lines(cost):
+        click.echo(line)
+    return 0
+
+
+def cost_lines(cost: dict[str, Any]) -> list[str]:
+    """A job's cost section, as a person reads it: the job, then each stage."""
+    currency = f" {cost['currency']}" if cost.get("currency") else ""
+
+    def line(name: str, c: dict[str, Any]) -> str:
+        redone = c["redone"]
+        price = "" if c["price"] is None else f", price {c['price']:g}{currency}"
+        crash = (f"; redone {redone['calls']} ({redone['tokens']} tokens"
+                 + ("" if redone["price"] is None else f", {redone['price']:g}{currency}") + ")"
+                 if redone["calls"] else "")
+        return (f"{name:<18} {c['calls']} calls ({c['paid_calls']} paid), {c['tokens']} tokens{price}, "
+                f"{c['call_seconds']:g} s{crash}")
+
+    lines = [line("job", cost)]
+    lines += [line(f"  {name}", c) for name, c in cost.get("stages", {}).items()]
+    budget = cost.get("budget")
+    if budget:
+        paused = f"; paused: {budget['paused']}" if budget.get("paused") else ""
+        lines.append(f"budget             tokens {_figure(budget['tokens'])}, "
+                     f"price {_figure(budget['price'])}{paused}")
+    return lines
+
+
 @http_command(jobs, "list")
 @click.option("--status", type=click.Choice(STATUSES), default=None)
 @click.option("--flow", default=None, metavar="ID[@VERSION]", help="only jobs of this flow")

@@ -3,17 +3,23 @@
 -- KEYS[7..6+S] ready:0..ready:S-1   KEYS[7+S] approvals   KEYS[8+S] approvals:due
 -- KEYS[9+S..] approval:<seq>.<stage>.1 for each approval stage (the gates' ``k`` index them)
 -- KEYS[#KEYS] events: the job's outbox, always the last key (lib.lua use_outbox)
+-- KEYS[#KEYS-1] cost: the job's cost hash, only when ARGV[15] is given
 -- ARGV[1] lease token   ARGV[2] output (JSON)   ARGV[3] next cursor (JSON; '' = none given)
 -- ARGV[4] items fetched by this stage (JSON list; '' = none)   ARGV[5] item count of ARGV[4]
 -- ARGV[6] number of stages   ARGV[7] log maxlen   ARGV[8] budget total   ARGV[9] tolerated failure %
 -- ARGV[10] '1' if ARGV[4] was taken from the output's "items" (ignored unless this is the fetch stage)
 -- ARGV[11] actor (for the log of a late answer)   ARGV[12] the flow's approval stages (JSON map stage
 -- index -> gate, lib.lua; '' = none)   ARGV[13] job id   ARGV[14] tenant
+-- ARGV[15] the call's usage (JSON, lib.lua record_cost; '' = none reported; absent = record no cost)
+-- ARGV[16] the flow's cost budget (JSON; '' = none)
+-- A committed call is counted in the cost hash in this same step (record_cost); a budget it passes pauses
+-- the job (the reply's status says so).
 -- A batch whose next stage is an approval stage waits there (status waiting_human) with its approval
 -- opened here, in the same step as the commit (lib.lua advance, open_approval).
 -- A batch that runs in pieces (docs/design.md "Bisection") keeps each piece's output as a part; while
 -- pieces are left it goes back to its stage's ready set and next_stage is this stage.
--- Returns {'ok', next_stage (-1 = batch committed), job status, attempt, stage[, approval id opened]}
+-- Returns {'ok', next_stage (-1 = batch committed), job status, attempt, stage[, approval id opened or ''
+--   [, why the call ran (call_reason), '1' if its cost paused the job else '0'] (given ARGV[15])]}
 --       | {'duplicate', stage, attempt}  (the same lease already committed this stage)
 --       | {'stale', status, attempt} | {'cancelled'} | {'corrupt', why?} | {'missing'} | {'invalid', message}
 -- Invariant 1: a stage result is committed at most once. The fencing token is checked, the output
@@ -48,6 +54,7 @@ local now = now_ms()
 local seq = batch['seq']
 local attempt = batch['attempt']
 local stage = tonumber(batch['stage'])
+local reason = call_reason(batch)  -- before the writes below move the batch on
 local nstages = tonumber(ARGV[6])
 local gates = nil
 if (ARGV[12] or '') ~= '' then gates = cjson.decode(ARGV[12]) end
@@ -111,9 +118,18 @@ save(KEYS[2], batch, bchg)
 if job then save(KEYS[1], job, jchg) end
 log(KEYS[6], ARGV[7], {'event', 'stage_completed', 'seq', seq, 'stage', int(stage),
   'attempt', attempt, 'duration_ms', int(now - tonumber(batch['leased_ms']))})
+local budget_paused = nil
+if ARGV[15] ~= nil then
+  budget_paused = record_cost(KEYS[#KEYS - 1], KEYS[1], KEYS[6], ARGV[7], batch, int(stage), reason, now,
+    ARGV[15], ARGV[16])
+end
 -- the job's status as it is now (read, not assumed, when the job record was not loaded: a pause
 -- between lease and answer must show in the answer and the log)
 local status = job and job['status'] or redis.call('HGET', KEYS[1], 'status') or 'missing'
+if budget_paused then status = 'paused' end
 local reply = {'ok', int(next_stage), status, attempt, int(stage)}
 if bchg['approval'] then reply[6] = bchg['approval'] end
+if ARGV[15] ~= nil then  -- why the call ran, and '1' when its cost paused the job
+  reply[6], reply[7], reply[8] = reply[6] or '', reason, budget_paused and '1' or '0'
+end
 return reply

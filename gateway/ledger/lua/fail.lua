@@ -7,14 +7,17 @@
 -- ARGV[8] jitter in [0,1)   ARGV[9] log maxlen   ARGV[10] budget total   ARGV[11] tolerated failure %
 -- ARGV[12] actor   ARGV[13] minimum delay before the retry (ms; Retry-After)
 -- ARGV[14] error type ('' = none; e.g. outcome_unknown, shown with the batch and in retry-failed)
--- Bisection (docs/design.md "Bisection"; absent = none): KEYS[6+S] quarantine   KEYS[7+S] done
+-- Bisection (docs/design.md "Bisection"): KEYS[6+S] quarantine   KEYS[7+S] done
 -- KEYS[8+S] items:<seq>   KEYS[9+S] approvals   KEYS[10+S] approvals:due   KEYS[11+S..] approval:<seq>.<stage>.1
 -- per approval stage (the gates' ``k`` index them)   ARGV[15] bisect: the stage's cap on extra calls
 -- per batch, '0' = no bisection (the caller sets it only for a non-transient error of an on_fatal:
 -- bisect stage)   ARGV[16] number of stages S   ARGV[17] approval stages (JSON, lib.lua; '' = none)
 -- ARGV[18] job id   ARGV[19] tenant
--- Returns {'retry'|'failed'|'split'|'quarantined', attempt, job status} | {'stale', status, attempt}
---       | {'cancelled'} | {'corrupt'} | {'missing'}
+-- Cost (docs/design.md "Cost ledger"): ARGV[20] the call's usage (JSON, lib.lua record_cost; '' = none
+-- reported; absent = record no cost: not a platform call)   ARGV[21] the flow's cost budget (JSON; '' =
+-- none)   KEYS[#KEYS-1] cost: the job's cost hash, only when ARGV[20] is given
+-- Returns {'retry'|'failed'|'split'|'quarantined', attempt, job status[, why the call ran, '1' if its
+--         cost paused the job]} | {'stale', status, attempt} | {'cancelled'} | {'corrupt'} | {'missing'}
 -- Invariant: only the current lease holder can fail an attempt; a batch out of attempts or with a fatal
 -- error fails for good and the failure budget decides the job.
 -- Bisection: the attempt failed with a non-transient error on an on_fatal: bisect stage. The piece
@@ -127,10 +130,27 @@ if refused then
 end
 local job = load(KEYS[1])
 if job == false then return {'corrupt'} end
+local reason = call_reason(batch)  -- before fail_attempt records this attempt's error
+local stage = batch['stage']
 local k = {job = KEYS[1], batch = KEYS[2], leases = KEYS[3], failed = KEYS[4], log = KEYS[5],
   ready = {unpack(KEYS, 6)}}
+
+-- the call's cost, counted in this same step, and the answer saying why it ran (given ARGV[20])
+local function counted(reply)
+  local kind = reply[1]
+  if ARGV[20] == nil or (kind ~= 'retry' and kind ~= 'failed' and kind ~= 'split' and kind ~= 'quarantined') then
+    return reply
+  end
+  local paused = record_cost(KEYS[#KEYS - 1], KEYS[1], KEYS[5], ARGV[9], batch, stage, reason, now_ms(),
+    ARGV[20], ARGV[21])
+  if paused then reply[3] = 'paused' end
+  reply[4] = reason
+  reply[5] = paused and '1' or '0'
+  return reply
+end
+
 if tonumber(ARGV[15] or '0') > 0 and ARGV[3] == '0' then
-  return bisect_failed(k, job, batch, tonumber(ARGV[15]), tonumber(ARGV[16]))
+  return counted(bisect_failed(k, job, batch, tonumber(ARGV[15]), tonumber(ARGV[16])))
 end
 local outcome = fail_attempt(k, job, batch, batch['seq'], {now = now_ms(), message = ARGV[2],
   retryable = ARGV[3] == '1', max_attempts = tonumber(ARGV[4]), initial_ms = tonumber(ARGV[5]),
@@ -138,4 +158,4 @@ local outcome = fail_attempt(k, job, batch, batch['seq'], {now = now_ms(), messa
   budget_total = ARGV[10], tolerated_pct = tonumber(ARGV[11]), actor = ARGV[12],
   min_delay_ms = tonumber(ARGV[13]), error_type = (ARGV[14] or '') ~= '' and ARGV[14] or nil})
 if outcome == 'corrupt' then return {'corrupt'} end
-return {outcome, batch['attempt'], job['status']}
+return counted({outcome, batch['attempt'], job['status']})

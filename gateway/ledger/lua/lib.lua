@@ -582,3 +582,89 @@ local function advance(k, job, batch, bchg, jchg, p)
     if parked then redis.call('HSET', k.done, seq, parked) end
   end, nil
 end
+
+-- Cost ledger (docs/design.md "Cost ledger"). Why a stage call ran, from the batch record as it is before
+-- this answer is written: 'first' (the stage's first spent attempt), 'rerun' (the attempt before it lost
+-- its worker or callback: its lease expired), 'retry' (the attempt before it failed), 'bisection' (a
+-- child batch cut by bisection, field split_from, on its first attempt).
+local function call_reason(batch)
+  local spent = tonumber(batch['attempt'] or '1') - tonumber(batch['unspent'] or '0')
+  if spent <= 1 then
+    -- a piece of a batch being bisected (docs/design.md "Bisection": field bis)
+    if (batch['bis'] or '') ~= '' then return 'bisection' end
+    return 'first'
+  end
+  -- expire.lua's words for a lease that ran out on a call under way (not one that never began)
+  if batch['error'] == 'lease expired' then return 'rerun' end
+  return 'retry'
+end
+
+-- Add one call to the job's totals a budget is measured by (cost hash 'calls', 'tokens', 'price') and say
+-- why the job must pause: its spend reached the budget (JSON {t = tokens, p = price}), or the next call
+-- would pass it at the job's mean cost per call. nil when it need not, or when it paused for it before
+-- (a resumed job goes on past its budget).
+local function cost_budget_passed(cost_key, budget, tokens, price)
+  redis.call('HINCRBY', cost_key, 'calls', 1)
+  if tokens > 0 then redis.call('HINCRBY', cost_key, 'tokens', tokens) end
+  if price > 0 then redis.call('HINCRBYFLOAT', cost_key, 'price', price) end
+  if redis.call('HGET', cost_key, 'budget_paused') then return nil end
+  local b = cjson.decode(budget)
+  local calls = tonumber(redis.call('HGET', cost_key, 'calls'))
+  for _, unit in ipairs({{'t', 'tokens'}, {'p', 'price'}}) do
+    local limit = tonumber(b[unit[1]])
+    local spent = tonumber(redis.call('HGET', cost_key, unit[2]) or '0')
+    if limit then
+      local next_call = spent / calls
+      local of = string.format('%g', spent) .. ' of ' .. string.format('%g', limit) .. ' ' .. unit[2]
+      if spent >= limit then return 'cost budget reached: ' .. of end
+      if spent + next_call > limit then
+        return 'cost budget: ' .. of .. ' spent; the next call (about ' .. string.format('%g', next_call)
+          .. ') would pass it'
+      end
+    end
+  end
+  return nil
+end
+
+-- Record one platform call's cost in the job's cost hash (keys.py JobKeys.cost) and pause the job when it
+-- passes its flow's budget, or when the next call would (at this job's mean cost per call). ``usage`` is
+-- '' or JSON {t = tokens, p = price (decimal text), c = currency}; ``budget`` '' or JSON {t, p}. A call's
+-- duration runs from its platform call (begin.lua called_ms) or, in pull mode, its lease. Called by the
+-- script that commits or fails the call, so a call is counted exactly when its answer is. Returns the
+-- reason the job was paused for, or nil.
+local function record_cost(cost_key, job_key, log_key, maxlen, batch, s, reason, now, usage, budget)
+  local leased = tonumber(batch['leased_ms'] or '') or now
+  local called = tonumber(batch['called_ms'] or '') or -1
+  local ms = now - (called >= leased and called or leased)
+  local u = (usage ~= nil and usage ~= '') and cjson.decode(usage) or {}
+  local tokens = tonumber(u.t) or 0
+  local price = tonumber(u.p) or 0
+  -- per stage; the job's totals are summed on read (cost.py), but for what a budget needs here
+  local function add(name, n) redis.call('HINCRBY', cost_key, name .. ':' .. s, n) end
+  local function addf(name, x) redis.call('HINCRBYFLOAT', cost_key, name .. ':' .. s, x) end
+  add('calls', 1)
+  add('ms', ms)
+  if reason ~= 'first' then add('r_' .. reason, 1) end  -- first = calls - the others (cost.py)
+  if tokens > 0 or price > 0 then add('paid', 1) end
+  if tokens > 0 then add('tokens', tokens) end
+  if price > 0 then addf('price', price) end
+  if reason == 'rerun' then
+    add('redone', 1)
+    if tokens > 0 then add('redone_tokens', tokens) end
+    if price > 0 then addf('redone_price', price) end
+  end
+  if type(u.c) == 'string' and u.c ~= '' then
+    local seen = redis.call('HGET', cost_key, 'currency')
+    if not seen then redis.call('HSET', cost_key, 'currency', u.c)
+    elseif seen ~= u.c then redis.call('HSET', cost_key, 'currency', 'mixed') end
+  end
+  if budget == nil or budget == '' then return nil end
+  local why = cost_budget_passed(cost_key, budget, tokens, price)
+  if why == nil then return nil end
+  local job = load(job_key)
+  if not job or job['status'] ~= 'running' then return nil end
+  redis.call('HSET', cost_key, 'budget_paused', why)
+  save(job_key, job, {status = 'paused', paused_reason = why, updated_ms = int(now)})
+  log(log_key, maxlen, {'event', 'job_paused', 'from', 'running', 'actor', 'cost_budget', 'reason', why})
+  return why
+end

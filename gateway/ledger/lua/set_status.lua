@@ -19,6 +19,7 @@ if new == 'failed' or new == 'cancelled' then chg['finished_ms'] = int(now) end
 if new == 'failed' then chg['error'] = ARGV[5] end
 if new == 'held' then chg['held_reason'] = ARGV[5] end
 if old == 'held' then chg['held_reason'] = '' end
+if (job['paused_reason'] or '') ~= '' and new ~= 'paused' then chg['paused_reason'] = '' end  -- record_cost's
 save(KEYS[1], job, chg)
 -- a job released (or un-paused) with nothing left open ends now
 if new == 'running' then
