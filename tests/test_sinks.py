@@ -585,3 +585,34 @@ def test_delivery_and_compaction_on_a_redis_cluster(cluster_client, cluster_sett
         assert (row["first_seq"], row["last_seq"], row["items"]) == (0, 9, 30)
         assert cluster_client.xlen(ledger.keys.job(job_id).log) <= settings.log_at_rest
     assert cluster_client.scard(ledger.keys.sink_jobs) == 0
+
+
+def test_a_batch_with_quarantined_items_is_delivered_but_keeps_its_record_for_the_retry(ledger, jobs, registry,
+                                                                                       tmp_path):
+    """Bisection and sinks: the batch that set a poison item apart is delivered with its good items'
+    outputs like any other, but compaction leaves its record (and items) in place, so the quarantine
+    listing and a retry of the item still work after delivery, and retention expires it with the job."""
+    from tests.test_bisect import run
+
+    path = tmp_path / "out" / "bisected.jsonl"
+    flow = parse_flow({"id": "bis", "version": "1", "batching": {"max_items": 4}, "concurrency": 100,
+                       "tolerated_failure_percentage": 50, "source": {"type": "sequence", "count": 12},
+                       "stages": [{"name": "score", "on_fatal": "bisect"}, {"name": "store"}]})
+    registry.register("acme", flow)
+    job_id = jobs.create("acme", JobRequest(flow_id="bis", sink={"type": "jsonl", "path": str(path)}))["job_id"]
+    run(ledger, job_id, {5})
+    assert ledger.job_fields(job_id)["status"] == "succeeded"
+    assert SinkDeliverer(ledger).run_once() == 3
+    got = lines(path)
+    assert [r["seq"] for r in got] == [0, 1, 2]
+    # the good items (indices in the batch: item 5 is index 1) and their outputs
+    assert sorted(i for p in got[1]["outputs"]["store"]["parts"] for i in p["items"]) == [0, 2, 3]
+    k = ledger.keys.job(job_id)
+    assert [ledger.r.exists(k.batch(s)) for s in range(3)] == [0, 1, 0]  # only the bisected one stays
+    assert k.batch(1) in ledger._all_keys(job_id) and k.batch(0) not in ledger._all_keys(job_id)
+    assert [e["id"] for e in ledger.quarantined(job_id)] == ["1.1"]
+    assert ledger.retry_quarantined(job_id, None, "tenant:acme")["retried"] == 1
+    stored: list = []
+    run(ledger, job_id, set(), stored=stored)  # the platform is fixed
+    assert stored == [5] and ledger.job_fields(job_id)["status"] == "succeeded"
+    assert ledger.quarantined(job_id) == []

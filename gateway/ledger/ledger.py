@@ -702,10 +702,13 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         planned = int(self.job_fields(job_id)["next_seq"])
         compacted = int(self.r.hget(k.sink, "seq") or 0)  # records below it are range summaries now
         approvals = self.r.zrange(k.approvals, 0, -1)
+        # below it, only batches with quarantined items kept their records (compact.lua)
+        kept = {int(m.split(".")[0]) for m in self.r.zrange(k.quarantine, 0, -1)} if compacted else set()
         return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.audit, k.events, k.cost,
                 k.approvals, k.approvals_due, k.sink, k.quarantine,
                 *[k.approval(*(int(x) for x in a.split(".")[-3:])) for a in approvals],
                 *self._ready_keys(spec),
+                *[key for s in sorted(kept & set(range(compacted))) for key in (k.batch(s), k.items(s))],
                 *[key for s in range(compacted, planned) for key in (k.batch(s), k.items(s))]]
 
     def expire_job(self, job_id: str, retention: timedelta) -> None:

@@ -14,7 +14,9 @@
 -- or superseded by a rewind) and below the sink cursor this same script moves, i.e. delivered. The
 -- cursor moves only from the value the caller read (compare-and-set), so two deliverers never both
 -- record one range, and a deliverer that lost its claim records nothing. Every check comes before the
--- first write. Range summaries: one per contiguous run of seqs of one generation, in the sink hash as
+-- first write. A batch with quarantined items (field bq, bisection) is delivered (its good items'
+-- outputs) and counted in its range, but its record and items key stay: the quarantine listing and a
+-- retry of its items read them. Range summaries: one per contiguous run of seqs of one generation, in the sink hash as
 -- field 'r:<first seq>' = JSON {first, last, gen, cursor, end_cursor, batches, items, superseded}
 -- ('rlast' names the last one's first seq); a new run that continues the last one (same generation,
 -- next seq) is merged into it. (A hash field, not a zset member: a one-member zset costs 990 bytes.)
@@ -34,6 +36,7 @@ local n = to - from
 -- read and check every record first
 local runs = {}
 local run = nil
+local keep = {}  -- batches with quarantined items keep their record (docs/design.md "Bisection")
 local delivered, items = 0, 0
 for i = 0, n - 1 do
   local batch = load(KEYS[3 + i])
@@ -42,6 +45,7 @@ for i = 0, n - 1 do
   if batch == false then return {'corrupt', int(seq)} end
   local status = batch['status']
   if status ~= 'completed' and status ~= 'superseded' then return {'open', int(seq), status} end
+  if (batch['bq'] or '') ~= '' then keep[i] = true end
   local gen = batch['gen'] or '0'
   if run == nil or run.gen ~= gen then
     run = {first = seq, last = seq, gen = gen, cursor = cjson.null, end_cursor = cjson.null,
@@ -83,7 +87,7 @@ for _, r in ipairs(runs) do
   redis.call('HSET', KEYS[2], 'r:' .. int(r.first), cjson.encode(r), 'rlast', int(r.first))
 end
 for i = 0, n - 1 do
-  redis.call('DEL', KEYS[3 + i], KEYS[3 + n + i])
+  if not keep[i] then redis.call('DEL', KEYS[3 + i], KEYS[3 + n + i]) end
 end
 redis.call('HSET', KEYS[2], 'seq', int(to), 'off', ARGV[4], 'updated_ms', ARGV[5])
 redis.call('HINCRBY', KEYS[2], 'batches', delivered)
