@@ -50,6 +50,8 @@ def _every_script_twice(monkeypatch):
     original = jobindex.JobIndex.run
 
     def run(self, script, job_id, keys, args, call_id=None):
+        if not hasattr(self.r, "connection_pool"):  # a RedisCluster (one test): run once, as it is
+            return original(self, script, job_id, keys, args, call_id=call_id)
         call_id = call_id or secrets.token_urlsafe(12)
         operation = getattr(script, "name", "").removeprefix("ledger.")
         with _ONE_AT_A_TIME:

@@ -69,7 +69,7 @@ class CallbackAnswer(BaseModel):
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     FlowSpec, JobRequest, ResumeRequest, MigrateRequest, CancelRequest, LeaseRequest, HeartbeatRequest,
-    CompleteRequest, FailRequest, CallbackAnswer, SubscriptionRequest, DecisionRequest)
+    CompleteRequest, FailRequest, CallbackAnswer, SubscriptionRequest, DecisionRequest, jobs.QuarantineRetryRequest)
 
 EXAMPLES: dict[str, Any] = {
     "FlowSpec": {"id": "resume-screening", "version": "1", "source": {"type": "sequence", "count": 10},

@@ -225,7 +225,10 @@ class Budget(BaseModel):
     """What one job of the flow may spend on platform calls (docs/design.md "Cost ledger"): a job whose
     spend passes it, or whose next call would at its mean cost per call, pauses with the reason."""
 
-    model_config = ConfigDict(extra="forbid")
+    # the schema says what _check says: tokens or price, or both
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"anyOf": [
+        {"required": ["tokens"], "properties": {"tokens": {"type": "integer", "minimum": 1}}},
+        {"required": ["price"], "properties": {"price": {"type": "number", "exclusiveMinimum": 0}}}]})
 
     tokens: int | None = Field(default=None, ge=1)
     price: float | None = Field(default=None, gt=0)
