@@ -145,3 +145,26 @@ def test_a_plan_reads_ahead_no_more_than_max_batch_bytes(ledger, registry, jobs,
     cut = cut_batches(spec, {"type": "offset", "offset": 0}, 16, None, tight)
     assert len(cut) == 3 and sum(len(b[2]) for b in cut) < 250_000 + 110_000
     assert len(cut_batches(spec, {"type": "offset", "offset": 0}, 16, None, settings)) == 16
+
+
+def test_a_job_spec_stores_its_flow_without_defaults_and_reads_back_whole(ledger, make_job, settings):
+    """The spec keeps the flow without its default values (a fraction of the bytes, per job), reads
+    back equal to the registered flow, and a spec stored whole (by an older batchgate) reads the same."""
+    from gateway.ledger.records import dumps, seal
+
+    stage_defs = [{"name": "score", "on_fatal": "bisect", "retry": {"maximum_attempts": 5}},
+                  {"name": "review", "approval": {"timeout": 60, "on_timeout": "approve"}},
+                  {"name": "store", "lease": 120}]
+    job_id = make_job(items=10, stage_defs=stage_defs, budget={"tokens": 1000}, tolerated_failure_percentage=5)
+    k = ledger.keys.job(job_id)
+    stored = ledger.r.hget(k.spec, "flow")
+    fresh = Ledger(ledger.r, settings)  # no cached spec: read from Redis
+    flow = fresh.spec(job_id).flow
+    whole = dumps(flow.model_dump(mode="json"))
+    assert len(stored) * 2 < len(whole)
+    assert json.loads(stored)["stages"][1]["approval"] == {"timeout": "PT1M", "on_timeout": "approve"}
+    assert flow.stages[0].retry.maximum_attempts == 5 and flow.stages[2].lease.total_seconds() == 120
+    assert flow.budget.tokens == 1000 and flow.tolerated_failure_percentage == 5
+    fields = {name: value for name, value in ledger.r.hgetall(k.spec).items() if name != "checksum"}
+    ledger.r.hset(k.spec, mapping=seal({**fields, "flow": whole}))  # as written before
+    assert Ledger(ledger.r, settings).spec(job_id).flow == flow

@@ -329,7 +329,8 @@ def test_a_job_at_rest_holds_no_batch_record(ledger, jobs, registry, tmp_path):
     assert ledger.r.xlen(ledger.keys.job(job_id).log) == 100  # log_at_rest (it held 300+ entries)
     assert [f["event"] for _, f in ledger.r.xrange(ledger.keys.job(job_id).audit)] == ["job_created"]
     assert memory["sink"] < 1024, memory  # a hashtable: a summary is longer than hash-max-ziplist-value
-    assert sum(memory.values()) < 16_000, memory  # spec ~2 KB, job 0.5 KB, log 100 entries (~8 KB)
+    # the log's 100 entries take 8-12 KB (their stream ids' deltas: how far apart they were written)
+    assert sum(v for key, v in memory.items() if key != "log") < 6_000, memory
 
 
 def test_a_fresh_commit_waits_out_the_grace_and_a_late_repeat_is_stale(ledger, jobs, registry, tmp_path,

@@ -91,7 +91,9 @@ class JobSpec:
         return {
             "job_id": self.job_id,
             "tenant": self.tenant,
-            "flow": dumps(self.flow.model_dump(mode="json")),
+            # defaults left out (a third of the size or less): FlowSpec fills them in again on reading,
+            # and a spec written whole (before) reads the same
+            "flow": dumps(self.flow.model_dump(mode="json", exclude_defaults=True)),
             "flow_hash": self.flow_hash,
             "source": dumps(self.source),
             "params": dumps(self.params),
