@@ -45,8 +45,11 @@ class FreezingProxy:
                 return
             if not data:
                 return
-            if not self.frozen.is_set():  # frozen: swallowed, nothing goes on, nothing is closed
+            if self.forwards(src, dst, data):
                 dst.sendall(data)
+
+    def forwards(self, src: socket.socket, dst: socket.socket, data: bytes) -> bool:
+        return not self.frozen.is_set()  # frozen: swallowed, nothing goes on, nothing is closed
 
     def close(self) -> None:
         self.listener.close()
@@ -126,21 +129,13 @@ class ReplyLosingProxy(FreezingProxy):
         self.deaf: set[int] = set()  # the client sockets whose replies are swallowed
         super().__init__(port)
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        replies = src.getpeername()[1] == self.target  # upstream -> client
-        while True:
-            try:
-                data = src.recv(65536)
-            except OSError:
-                return
-            if not data:
-                return
-            if not replies and self.armed.is_set() and b"EVALSHA" in data.upper():
-                self.armed.clear()
-                self.deaf.add(id(src))
-            if replies and id(dst) in self.deaf:
-                continue
-            dst.sendall(data)
+    def forwards(self, src: socket.socket, dst: socket.socket, data: bytes) -> bool:
+        if src.getpeername()[1] == self.target:  # a reply (upstream -> client)
+            return id(dst) not in self.deaf
+        if self.armed.is_set() and b"EVALSHA" in data.upper():
+            self.armed.clear()
+            self.deaf.add(id(src))
+        return True
 
 
 def test_a_commit_whose_reply_is_lost_is_sent_again_and_answered_once(tcp_redis, tmp_path):
