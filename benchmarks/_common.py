@@ -45,6 +45,17 @@ def ledger_on_private_redis() -> Iterator[tuple[Ledger, JobService]]:
             server.stop()
 
 
+def loopback_push(ledger: Ledger) -> dict[str, str]:
+    """Let ``ledger`` (and the worker processes started with the answered environment) call platform
+    stand-ins on 127.0.0.1 and sign their callbacks; workers log warnings only."""
+    settings = ledger.settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"],
+                                                  "signing_key": "bench-signing-key"})
+    ledger.settings = settings
+    return {**os.environ, "BATCHGATE_REDIS_URL": settings.redis_url.get_secret_value(),
+            "BATCHGATE_KEY_PREFIX": settings.key_prefix, "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]',
+            "BATCHGATE_SIGNING_KEY": "bench-signing-key", "BATCHGATE_LOG_LEVEL": "WARNING"}
+
+
 def start_job(service: JobService, flow_id: str, count: int, max_items: int = 10,
               stages: tuple[str, ...] = ("process",), concurrency: int = 1000) -> str:
     """Register a flow over a sequence source and start a job on it."""

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from _common import ledger_on_private_redis
+from _common import ledger_on_private_redis, loopback_push
 
 from gateway.ledger.flows import parse_flow
 from gateway.ledger.jobs import JobRequest
@@ -47,12 +47,7 @@ def main() -> None:
     platform = SlowSyncPlatform(delay)
     with ledger_on_private_redis() as (ledger, service):
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
-        settings = ledger.settings.model_copy(update={"outbound_allow": ["127.0.0.1/32"],
-                                                      "signing_key": "bench-signing-key"})
-        ledger.settings = settings
-        env = {**os.environ, "BATCHGATE_REDIS_URL": settings.redis_url.get_secret_value(),
-               "BATCHGATE_KEY_PREFIX": settings.key_prefix, "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]',
-               "BATCHGATE_SIGNING_KEY": "bench-signing-key", "BATCHGATE_LOG_LEVEL": "WARNING"}
+        env = loopback_push(ledger)
         flow = parse_flow({"id": "slow-plan", "version": "1", "concurrency": parallel,
                            "batching": {"max_items": 1}, "source": {"type": "sequence", "count": 1},
                            "stages": [{"name": "score", "lease": 30, "timeout": 10,

@@ -39,6 +39,7 @@ from gateway.errors import JobCancelled, StaleLease
 from gateway.ledger.flows import parse_flow
 from gateway.ledger.jobs import JobRequest
 from gateway.ledger.records import intact
+from tests.conftest import ready_all_now
 
 TENANT = "acme"
 STATS: Counter = Counter()  # what the examples reached (BATCHGATE_MODEL_STATS=1 with pytest -s prints it)
@@ -73,14 +74,7 @@ class BisectMachine(RuleBasedStateMachine):
 
     # -- helpers ------------------------------------------------------------------------------------
     def ready_now(self) -> None:
-        pipe = self.ledger.r.pipeline(transaction=False)
-        for i in range(self.stages):
-            pipe.zrange(self.k.ready(i), 0, -1)
-        found = pipe.execute()
-        for i, members in enumerate(found):
-            if members:
-                pipe.zadd(self.k.ready(i), dict.fromkeys(members, 0), xx=True)
-        pipe.execute()
+        ready_all_now(self.ledger.r, self.k, self.stages)
 
     def pick(self, data):
         token = list(self.held)[data.draw(st.integers(0, len(self.held) - 1))]  # by lease order (tokens are random)

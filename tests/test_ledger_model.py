@@ -99,6 +99,7 @@ from gateway.ledger.scripts import JOURNAL_MS
 from gateway.settings import Settings
 from gateway.push.sinks import SinkDeliverer
 from gateway.push.supervisor import Supervisor
+from tests.conftest import ready_all_now
 
 TENANT = "acme"
 LIVE = ("running", "paused", "held")
@@ -423,14 +424,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
         Which ready batch a lease takes then depends on nothing timed (equal scores: member order), so
         every example replays exactly (Hypothesis needs that to shrink)."""
-        pipe = self.r.pipeline(transaction=False)
-        for i in range(self.model.stages):
-            pipe.zrange(self.k.ready(i), 0, -1)
-        found = pipe.execute()
-        for i, members in enumerate(found):
-            if members:
-                pipe.zadd(self.k.ready(i), dict.fromkeys(members, 0), xx=True)
-        pipe.execute()
+        found = ready_all_now(self.r, self.k, self.model.stages)
         return {i: dict.fromkeys((int(m) for m in members), 0.0) for i, members in enumerate(found)}
 
     def do_lease(self, stage: int | None = None):

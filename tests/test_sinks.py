@@ -28,6 +28,9 @@ from gateway.ledger.results import compact_keys
 from gateway.push.sinks import SinkDeliverer
 from gateway.settings import Settings
 from tests.conftest import TOKEN, drain
+from tests.test_cli import cli
+
+__all__ = ["cli"]  # the fixture, shared with test_cli.py
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -351,20 +354,6 @@ def test_a_fresh_commit_waits_out_the_grace_and_a_late_repeat_is_stale(ledger, j
     with pytest.raises(StaleLease) as err:
         ledger.complete(job_id, lease.seq, lease.lease_token, output(lease))
     assert err.value.extra["batch_status"] == "compacted"
-
-
-@pytest.fixture
-def cli(api, monkeypatch, capsys):
-    from gateway.runtime.cli import main
-
-    monkeypatch.setenv("BATCHGATE_TOKEN", TOKEN)
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        code = main([*argv[:2], "--url", api.base, *argv[2:]])
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return run
 
 
 def test_flow_sink_over_the_api_job_override_and_the_cli_listing(api, ledger, cli, tmp_path):

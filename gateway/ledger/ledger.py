@@ -509,9 +509,9 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         None)."""
         spec = self.spec(job_id)
         stages = self._stage_filter(spec, stage)
-        keys, args = self._complete_call(spec, seq, token, output, next_cursor, items, actor, usage)
         if not stages:  # no pull stage to lease: the commit alone
             return self.complete(job_id, seq, token, output, next_cursor, items, actor, usage), None
+        keys, args = self._complete_call(spec, seq, token, output, next_cursor, items, actor, usage)
         lkeys, largs, lease_token, holder, ahead = self._lease_args(spec, tuple(stages), None)
         started = time.monotonic()
         with due_index.hinted(job_id, self._min_lease(largs)):

@@ -11,6 +11,7 @@ import functools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -176,10 +177,15 @@ def jobs_plan(client: Client, flow: str, source: str | None, params: str | None,
     flow_id, version = flow_ref(flow)
     plan = client.plan_job(flow_id, version, json_or_file(params, "--params"),
                            json_or_file(source, "--source"))
+    return _show(plan, as_json, plan_lines)
+
+
+def _show(value: dict[str, Any], as_json: bool, lines: Callable[[dict[str, Any]], list[str]]) -> int:
+    """A command's answer: the JSON with ``--json``, else the lines a person reads."""
     if as_json:
-        print_json(plan)
+        print_json(value)
         return 0
-    for line in plan_lines(plan):
+    for line in lines(value):
         click.echo(line)
     return 0
 
@@ -212,13 +218,7 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
 def jobs_cost(client: Client, job_id: str, as_json: bool) -> int:
     """What a job's calls cost: calls, paid calls, calls redone after a lost worker or callback and what
     they cost, tokens, price; per stage."""
-    cost = client.cost(job_id)
-    if as_json:
-        print_json(cost)
-        return 0
-    for line in cost_lines(cost):
-        click.echo(line)
-    return 0
+    return _show(client.cost(job_id), as_json, cost_lines)
 
 
 def cost_lines(cost: dict[str, Any]) -> list[str]:
