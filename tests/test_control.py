@@ -191,7 +191,8 @@ def test_a_control_action_racing_with_leasers_leaves_counters_exact(api, ledger,
     for t in threads:
         t.start()
     time.sleep(0.3)
-    assert api.post(f"/v1/jobs/{job_id}/{action}").status_code == 200
+    acted = api.post(f"/v1/jobs/{job_id}/{action}")
+    assert acted.status_code == 200, acted.text  # never "changed too fast": a busy job is still cancelled
     time.sleep(0.2)
     stop.set()
     for t in threads:

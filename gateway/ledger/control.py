@@ -80,14 +80,9 @@ class ControlOps:
     def cancel(self, job_id: str, actor: str, reason: str = "") -> dict[str, Any]:
         """Cancel for good and void every outstanding lease; cancelling again is a no-op."""
         k = self.keys.job(job_id)
-
-        def attempt() -> list:
-            seqs = [int(s) for s in self.r.zrange(k.leases, 0, -1)]
-            return self.scripts.cancel(keys=[k.job, k.leases, k.log, k.audit, *[k.batch(s) for s in seqs],
-                                             k.events],
-                                       args=[self.settings.log_maxlen, actor, reason[:2000], *seqs])
-
-        res = self._retrying(job_id, attempt)
+        # the script finds the leased batches itself (cancel.lua): no read first, so no race to lose
+        res = self.scripts.cancel(keys=[k.job, k.leases, k.log, k.audit, k.events],
+                                  args=[self.settings.log_maxlen, actor, reason[:2000]])
         if res[0] == "already":
             return {"cancelled": True, "already": True, "voided_leases": 0}
         self._control_result(res, job_id, "be cancelled")
