@@ -12,22 +12,23 @@ end
 
 -- Checksum of a record: sha1 over its 'name NUL value' entries in sorted order, joined by NUL;
 -- 'checksum' and 'corrupt' excluded. gateway/records.py computes the same digest in Python.
--- seal(map) answers the digest with what it was made of: the sorted names, their entries and each
--- name's place (sorting the names sorts the entries the same way: a name ends at its NUL, and Lua
--- compares strings NUL segment by NUL segment).
+-- seal(map) answers the digest with what it was made of: the sorted names and, beside them, the flat
+-- list name1, value1, name2, value2, ... that table.concat joins with NUL into exactly those entries
+-- (no string is built per entry: a record's load makes no garbage beyond its table). Sorting the
+-- names sorts the entries the same way: a name ends at its NUL, and Lua compares strings NUL segment
+-- by NUL segment.
 local function seal(map)
   local names = {}
   for name in pairs(map) do
     if name ~= 'checksum' and name ~= 'corrupt' then names[#names + 1] = name end
   end
   table.sort(names)
-  local entries, pos = {}, {}
+  local flat = {}
   for i = 1, #names do
-    local name = names[i]
-    entries[i] = name .. '\0' .. map[name]
-    pos[name] = i
+    flat[2 * i - 1] = names[i]
+    flat[2 * i] = map[names[i]]
   end
-  return redis.sha1hex(table.concat(entries, '\0')), {names = names, entries = entries, pos = pos}
+  return redis.sha1hex(table.concat(flat, '\0')), {names = names, flat = flat}
 end
 
 local function digest(map)
@@ -60,30 +61,31 @@ local function load(key)
 end
 
 -- The digest of ``map`` after ``changes`` were applied to it, from its seal where load made one (the
--- changed entries replaced, new names put in their sorted place), else from scratch.
+-- changed values replaced, new names put in their sorted place), else from scratch.
 local function reseal(key, map, changes)
   local sealed = LOADED[key]
   if not sealed or sealed.map ~= map then
     LOADED[key] = nil  -- a record written whole (new), or from another table: loaded again if needed
     return (seal(map))
   end
-  local names, entries, pos = sealed.names, sealed.entries, sealed.pos
+  local names, flat = sealed.names, sealed.flat
   for name, value in pairs(changes) do
-    local i = pos[name]
-    if i then
-      entries[i] = name .. '\0' .. value
-    elseif name ~= 'checksum' and name ~= 'corrupt' then
-      local lo, hi = 1, #names + 1  -- the first place whose name sorts after this one
+    if name ~= 'checksum' and name ~= 'corrupt' then
+      local lo, hi = 1, #names + 1  -- the first place whose name does not sort before this one
       while lo < hi do
         local mid = math.floor((lo + hi) / 2)
         if names[mid] < name then lo = mid + 1 else hi = mid end
       end
-      table.insert(names, lo, name)
-      table.insert(entries, lo, name .. '\0' .. value)
-      for j = lo, #names do pos[names[j]] = j end
+      if names[lo] == name then
+        flat[2 * lo] = value
+      else
+        table.insert(names, lo, name)
+        table.insert(flat, 2 * lo - 1, value)
+        table.insert(flat, 2 * lo - 1, name)
+      end
     end
   end
-  return redis.sha1hex(table.concat(entries, '\0'))
+  return redis.sha1hex(table.concat(flat, '\0'))
 end
 
 -- The batch record held under ``token``, or the reply for a caller whose lease is not current:
@@ -152,16 +154,12 @@ local function emit(kind, at_ms, data)
 end
 
 local function log(key, maxlen, fields)
-  local args = {key, 'MAXLEN', '~', maxlen, '*'}
-  for i = 1, #fields do args[#args + 1] = fields[i] end
-  redis.call('XADD', unpack(args))
+  redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', unpack(fields))
 end
 
 -- The audit stream: control events, never trimmed (retention expires it with the job).
 local function audit(key, fields)
-  local args = {key, '*'}
-  for i = 1, #fields do args[#args + 1] = fields[i] end
-  redis.call('XADD', unpack(args))
+  redis.call('XADD', key, '*', unpack(fields))
 end
 
 -- Counters kept in the job record. Each equals a recount over the batches of the current plan
