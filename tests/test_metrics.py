@@ -113,6 +113,112 @@ def test_metrics_move_with_a_push_job_and_a_pull_job(tmp_path):
         assert "job_" not in name, name
 
 
+def wait_until(what, timeout_s: float, why: str = ""):
+    deadline = time.monotonic() + timeout_s
+    while not (got := what()):
+        assert time.monotonic() < deadline, why
+        time.sleep(0.1)
+    return got
+
+
+def scrape_when(base: str, ready, timeout_s: float, why: str) -> dict[str, float]:
+    """The first scrape for which ``ready(sample)`` holds."""
+    def attempt():
+        sample = scrape(base)
+        return sample if ready(sample) else None
+
+    return wait_until(attempt, timeout_s, why)
+
+
+def test_failures_retries_expiries_calls_in_flight_and_deliveries_move_their_metrics(tmp_path):
+    """The counters for what goes wrong, and the gauges for what is under way, on a real `up`: a push
+    call scraped while the platform holds it; a pull job whose batches are failed (once retryably, once
+    for good) and left to expire; a subscriber that hears of both jobs' ends. Each counter equals what the
+    job's view and log say happened."""
+    from tests.test_webhooks import Receiver
+
+    data, port = tmp_path / "data", free_port()
+    base = f"http://127.0.0.1:{port}"
+    receiver = Receiver()
+    with FakeHttpPlatform() as platform:
+        platform.slow_s = 3.0
+        platform.plan("slow")  # the first call is held 3 s
+        up = start(tmp_path, data, port, "up")
+        try:
+            sub = requests.post(f"{base}/v1/subscriptions", headers=AUTH, timeout=10,
+                                json={"url": receiver.url, "events": ["job.succeeded", "job.failed"]})
+            assert sub.status_code == 201, sub.text
+            receiver.secret = sub.json()["secret"]
+            push = {"id": "push", "version": "1", "batching": {"max_items": 2},
+                    "source": {"type": "sequence", "count": 2},
+                    "stages": [{"name": "call", "target": {"type": "http", "url": platform.url,
+                                                            "mode": "sync"}}]}
+            flaky = {"id": "flaky", "version": "1", "batching": {"max_items": 1},
+                     "source": {"type": "sequence", "count": 2},
+                     "stages": [{"name": "work", "lease": 1,
+                                 "retry": {"initial_interval": 0.1, "maximum_attempts": 5}}]}
+            for flow in (push, flaky):
+                assert requests.post(f"{base}/v1/flows", json=flow, headers=AUTH, timeout=10).status_code == 201
+            push_id = requests.post(f"{base}/v1/jobs", json={"flow_id": "push"}, headers=AUTH,
+                                    timeout=10).json()["job_id"]
+            # the call under way, counted by the worker process and read through the API's scrape
+            during = scrape_when(base, lambda m: total(m, "batchgate_platform_calls_in_flight") == 1, 10,
+                                 "no call in flight")
+            assert total(during, "batchgate_jobs", status="running") == 1
+
+            flaky_id = requests.post(f"{base}/v1/jobs", json={"flow_id": "flaky"}, headers=AUTH,
+                                     timeout=10).json()["job_id"]
+            jobs = f"{base}/v1/jobs/{flaky_id}"
+
+            def lease() -> dict:
+                got = wait_until(lambda: (r := requests.post(f"{jobs}/lease", headers=AUTH, timeout=10))
+                                 .status_code == 200 and r.json(), 15, "nothing to lease")
+                return got
+
+            def fail(got: dict, retryable: bool) -> None:
+                resp = requests.post(f"{jobs}/batches/{got['seq']}/fail", headers=AUTH, timeout=10,
+                                     json={"lease_token": got["lease_token"],
+                                           "error": {"message": "model said no", "retryable": retryable}})
+                assert resp.status_code == 200, resp.text
+
+            fail(lease(), retryable=True)  # retried
+            lease()  # held past its 1 s lease: the supervisor expires it, and it is retried
+            scrape_when(base, lambda m: total(m, "batchgate_lease_expiries_total", stage="work") == 1, 15,
+                        "the lease never expired")
+            fail(lease(), retryable=False)  # failed for good
+            while (r := requests.post(f"{jobs}/lease", headers=AUTH, timeout=10)).status_code == 200:
+                requests.post(f"{jobs}/batches/{r.json()['seq']}/complete", headers=AUTH, timeout=10,
+                              json={"lease_token": r.json()["lease_token"], "output": {}})
+            views = {j: wait_until(lambda j=j: (v := requests.get(f"{base}/v1/jobs/{j}", headers=AUTH,
+                                                                   timeout=10).json())["status"]
+                                   in ("succeeded", "failed") and v, 30, f"{j} never ended")
+                     for j in (push_id, flaky_id)}
+            wait_until(lambda: len({b["data"]["job_id"] for _, b in receiver.got}) == 2, 30,
+                       "the subscriber did not hear of both jobs")
+            after = scrape_when(base, lambda m: total(m, "batchgate_webhook_deliveries_total",
+                                                      outcome="delivered") >= 2, 15, "deliveries not counted")
+            log = requests.get(f"{jobs}/log", headers=AUTH, timeout=10).json()["entries"]
+        finally:
+            up.stop()
+            receiver.close()
+    assert views[push_id]["status"] == "succeeded" and views[flaky_id]["status"] == "failed"
+    assert total(after, "batchgate_platform_calls_in_flight") == 0
+    assert total(after, "batchgate_platform_calls_total", outcome="done") == len(platform.requests) == 1
+    retried = [e for e in log if e["event"] == "retry_scheduled"]
+    expired = [e for e in retried if e.get("error") == "lease expired"]
+    # a retry after a reported failure, one after the expiry, a failure for good: as the log says
+    assert total(after, "batchgate_batches_retried_total", stage="work") == len(retried) - len(expired) == 1
+    assert total(after, "batchgate_lease_expiries_total", stage="work", outcome="retry") == len(expired) == 1
+    assert total(after, "batchgate_batches_failed_total", stage="work") == views[flaky_id]["batches"]["failed"] == 1
+    assert total(after, "batchgate_batches_committed_total", stage="work") == views[flaky_id]["batches"]["completed"]
+    assert total(after, "batchgate_jobs", status="failed") == 1 and total(after, "batchgate_jobs",
+                                                                        status="succeeded") == 1
+    assert receiver.bad == 0
+    assert total(after, "batchgate_webhook_deliveries_total", outcome="delivered") == len(receiver.got) == 2
+    for name in after:
+        assert "job_" not in name, name
+
+
 def test_a_crash_and_recovery_move_the_recovery_metrics(tmp_path):
     data, port = tmp_path / "data", free_port()
     base = f"http://127.0.0.1:{port}"
