@@ -3,9 +3,11 @@
 \b
 Run it:        batchgate up                   (embedded Redis, API, supervisor, worker; Ctrl-C stops all)
 Give it work:  batchgate flows apply -f flow.yaml
+               batchgate jobs plan --flow resume-screening          (what it will take; runs nothing)
                batchgate jobs create --flow resume-screening --watch
-Watch it:      batchgate jobs list | show | log | audit | batches
-Steer it:      batchgate jobs pause | resume | cancel | retry-failed | migrate | release
+Watch it:      batchgate jobs list | show | log | audit | batches | cost | quarantine
+Steer it:      batchgate jobs pause | resume | cancel | retry-failed | retry-quarantined | migrate | release
+Decide:        batchgate approvals list | show | approve | reject
 
 The HTTP commands (flows, jobs) find the gateway by --url, BATCHGATE_URL, else the `batchgate up`
 running here (its data dir records its address and token). Server commands (up, serve, supervisor,
