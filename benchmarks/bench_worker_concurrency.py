@@ -9,6 +9,11 @@ CONCURRENCY` process, timed from job creation to 'succeeded'. The baseline is th
 ceil(BATCHES / CONCURRENCY) x DELAY_S (every call as soon as it may start). Targets: peak calls in
 flight >= 90 % of CONCURRENCY, time <= 2x the ideal, paid calls == batches, the worker's peak RSS
 (process and children, VmRSS) < 300 MB.
+
+Then the plan (issue 19): the first run left the target's call times in its latency list, so a dry run
+(``"dry_run": true``: JobService.plan, nothing written) of the same job now estimates its duration from
+them; the job runs a second time for real and the estimate is compared with that run (target: within
+25 %), together with the plan's batch and call counts against the run's.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 
 from _common import ledger_on_private_redis, loopback_push
 
-from gateway.push.dispatch import Dispatcher
+from gateway.push.dispatch import Dispatcher, target_id
 from gateway.ledger.flows import parse_flow
 from gateway.ledger.jobs import JobRequest
 from tests.platforms import SlowSyncPlatform
@@ -45,7 +50,7 @@ def rss_mb(pid: int) -> float:
     return total / 1024
 
 
-def run(service, env, platform: SlowSyncPlatform, batches: int, concurrency: int) -> tuple[float, float]:
+def run(service, env, platform: SlowSyncPlatform, batches: int, concurrency: int) -> tuple[float, float, str]:
     flow = parse_flow({"id": "slow", "version": "1", "concurrency": concurrency, "batching": {"max_items": 1},
                        "source": {"type": "sequence", "count": batches},
                        "stages": [{"name": "score", "lease": 30, "timeout": 10,
@@ -73,7 +78,7 @@ def run(service, env, platform: SlowSyncPlatform, batches: int, concurrency: int
     finally:
         proc.terminate()
         proc.wait()
-    return elapsed, peak_rss
+    return elapsed, peak_rss, job_id
 
 
 def main() -> None:
@@ -84,10 +89,14 @@ def main() -> None:
     with ledger_on_private_redis() as (ledger, service):
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))  # the worker may use every core
         env = loopback_push(ledger)
-        elapsed, rss = run(service, env, platform, batches, concurrency)
+        elapsed, rss, _ = run(service, env, platform, batches, concurrency)
+        seqs = platform.seqs()  # the first run's calls
+        plan = service.plan("bench", JobRequest(flow_id="slow", dry_run=True), target_id)
+        again, _, job_id = run(service, env, platform, batches, concurrency)
+        planned = int(ledger.r.hget(ledger.keys.job(job_id).job, "next_seq"))
+        calls = int(ledger.r.hget(ledger.keys.job(job_id).cost, "calls:0"))
     platform.close()
     ideal = math.ceil(batches / concurrency) * delay
-    seqs = platform.seqs()
     paid = len(seqs)
     duplicates = paid - len(set(seqs))
     print(f"{batches} batches, platform {delay:g} s per call, one worker process --concurrency {concurrency}")
@@ -95,6 +104,10 @@ def main() -> None:
     print(f"peak calls in flight {platform.peak} of {concurrency} (target >= {int(0.9 * concurrency)})")
     print(f"paid calls {paid} for {batches} batches, {duplicates} duplicates (target: equal, 0)")
     print(f"worker peak RSS {rss:.0f} MB (target < 300 MB)")
+    print(f"plan of the same job from the first run's call times: batches {plan['batches']} "
+          f"({plan['batches_confidence']}) vs {planned} run, calls {plan['calls']['score']} vs {calls}; "
+          f"duration estimate {plan['duration_s']:.2f} s vs {again:.2f} s actual (second run): "
+          f"ratio {plan['duration_s'] / again:.2f} (target 0.75-1.25)")
 
 
 if __name__ == "__main__":
