@@ -1,6 +1,7 @@
 """A pull-mode worker for the resume-screening flow: what an n8n or Dify loop does, in Python.
 
-Each thread loops: lease a batch, do its stage, heartbeat while working, complete it.
+Each thread loops: lease a batch, do its stage, heartbeat while working, complete it and lease the next
+in the same request (`lease_next`: one request a step; a plain lease only when that answered none).
   score: one (simulated) paid model call per resume, logged to model_calls.jsonl as it starts (a call
          cut off by a kill is paid for all the same); these lines are the demo's paid calls
   store: writes the batch's scores to results/<idempotency_key>.json (overwrite = idempotent)
@@ -55,17 +56,21 @@ class Worker:
         return self.http.post(f"{self.base}/v1/jobs/{self.job_id}{path}", json=body or {}, timeout=30)
 
     def loop(self) -> None:
+        env = None
         while True:
-            resp = self.post("/lease")
-            if resp.status_code == 204:
-                if resp.headers.get("Batchgate-Job-Status") != "running":
-                    return
-                time.sleep(0.2)
-                continue
-            resp.raise_for_status()
-            self.run(resp.json())
+            if env is None:
+                resp = self.post("/lease")
+                if resp.status_code == 204:
+                    if resp.headers.get("Batchgate-Job-Status") != "running":
+                        return
+                    time.sleep(0.2)
+                    continue
+                resp.raise_for_status()
+                env = resp.json()
+            env = self.run(env)
 
-    def run(self, env: dict) -> None:
+    def run(self, env: dict) -> dict | None:
+        """Do the leased stage and commit it; the next batch the commit leased us, if any."""
         append_line(self.work / "attempts.jsonl",
                     {"seq": env["seq"], "stage": env["stage"], "attempt": env["attempt"]})
         if env["stage"] == "score":
@@ -73,12 +78,13 @@ class Worker:
         else:
             output = self.store_batch(env)
         if output is None:
-            return
+            return None
         resp = self.post(f"/batches/{env['seq']}/complete",
-                         {"lease_token": env["lease_token"], "output": output})
+                         {"lease_token": env["lease_token"], "output": output, "lease_next": True})
         if resp.status_code == 409:  # our lease expired and someone else owns the batch now
-            return
+            return None
         resp.raise_for_status()
+        return resp.json().get("next")
 
     def score_batch(self, env: dict) -> dict | None:
         scores = {}
