@@ -174,6 +174,43 @@ def test_lease_rate_quota_counts_pull_leases_per_tenant(serve):
     assert acme.post(f"/v1/jobs/{job}/lease").status_code == 204
 
 
+def test_on_one_redis_a_lease_counts_its_quota_in_its_own_round_trip(serve, redis_client):
+    """The lease quota is counted by the lease's own script (no round trip of its own): a lease of a
+    ready batch is one Redis round trip, and a request refused before it reaches the ledger (a job the
+    tenant does not have) is counted all the same."""
+    from tests.test_lease_planning import round_trips
+
+    acme, _ = serve(leases_per_second=1000)
+    job = create(acme).json()["job_id"]
+    assert acme.post(f"/v1/jobs/{job}/lease").status_code == 200  # plans ahead; the spec is cached
+    with round_trips() as trips:
+        assert acme.post(f"/v1/jobs/{job}/lease").status_code == 200
+    assert trips["n"] == 1, trips
+    rate_key = Keys("bg").quota_leases("acme")
+    before = float(redis_client.get(rate_key))
+    assert acme.post("/v1/jobs/job_nope/lease").status_code == 404
+    assert float(redis_client.get(rate_key)) > before  # the 404 counted
+
+
+def test_a_next_lease_the_quota_refuses_leaves_the_commit_standing(serve, redis_client):
+    """complete with lease_next past the lease quota: committed, next null, Retry-After; the refused
+    lease changed nothing (no batch leased, the quota's count unchanged)."""
+    acme, _ = serve(leases_per_second=2)
+    job = create(acme).json()["job_id"]
+    first = acme.post(f"/v1/jobs/{job}/lease").json()
+    second = acme.post(f"/v1/jobs/{job}/lease").json()  # the burst of 2 is spent
+    rate_key = Keys("bg").quota_leases("acme")
+    count = redis_client.get(rate_key)
+    resp = acme.post(f"/v1/jobs/{job}/batches/{first['seq']}/complete",
+                     json={"lease_token": first["lease_token"], "output": {}, "lease_next": True})
+    assert resp.status_code == 200 and resp.json()["status"] == "committed" and resp.json()["next"] is None
+    assert int(resp.headers["Retry-After"]) >= 1
+    assert redis_client.get(rate_key) == count
+    view = acme.get(f"/v1/jobs/{job}").json()
+    assert view["batches"]["completed"] == 1 and view["batches"]["leased"] == 1  # only the second's
+    assert second["seq"] != first["seq"]
+
+
 def test_quota_script_checks_both_quotas_before_writing(redis_client, settings):
     """quota.lua directly: a burst of <limit>, then a wait; the active set's size; a refusal writes
     nothing; a creation in progress (no job yet, fresh id) survives a prune, a dead one does not."""

@@ -12,7 +12,7 @@ from connectors.base import Usage
 from gateway.api.common import json_body, request_services
 from gateway.api.jobs import request_quotas
 from gateway.errors import QuotaExceeded
-from gateway.ledger.ledger import ABSENT
+from gateway.ledger.ledger import ABSENT, NextLeaseRefused
 from gateway.validation import parse
 
 bp = Blueprint("pull", __name__, url_prefix="/v1/jobs/<job_id>")
@@ -87,12 +87,18 @@ class FailRequest(BaseModel):
 @bp.post("/lease")
 def lease(job_id: str):
     """200 with the batch envelope, or 204 (header Batchgate-Job-Status says why); 429 past the
-    tenant's leases-per-second quota (every lease request counts, answered or not)."""
-    request_quotas().admit_lease(g.tenant)
+    tenant's leases-per-second quota (every lease request counts, answered or not: on one Redis in the
+    lease's own script, on a cluster by a call of its own first)."""
     services = request_services()
-    services.jobs.owned_spec(g.tenant, job_id)
-    req = parse(LeaseRequest, json_body(required=False), "lease request")
-    leased = services.ledger.lease(job_id, req.stage)
+    quota = lease_quota(services)
+    try:
+        services.jobs.owned_spec(g.tenant, job_id)
+        req = parse(LeaseRequest, json_body(required=False), "lease request")
+    except Exception:
+        if quota is not None:
+            quota.admit()  # a request refused before the lease counts all the same
+        raise
+    leased = services.ledger.lease(job_id, req.stage, quota=quota)
     if leased is None:
         status = services.ledger.job_fields(job_id)["status"]
         return "", 204, {"Batchgate-Job-Status": status}
@@ -127,24 +133,36 @@ def complete(job_id: str, seq: int):
     if not req.lease_next:
         return jsonify(services.ledger.complete(job_id, seq, req.lease_token, req.output, req.next_cursor,
                                                 req.items, usage=usage))
-    # the lease counts against the tenant's lease quota as a POST /lease would (asked first, so that a
-    # step is one script when allowed); a refusal is no error of the commit: next is null, Retry-After
-    # says when
+    # the lease counts against the tenant's lease quota as a POST /lease would (in the step's one script
+    # on one Redis; asked first on a cluster); a refusal is no error of the commit: next is null,
+    # Retry-After says when
     try:
-        request_quotas().admit_lease(g.tenant)
-    except QuotaExceeded as exc:
+        done, leased = services.ledger.complete_and_lease(job_id, seq, req.lease_token, req.output,
+                                                          req.next_cursor, req.items, stage=req.next_stage,
+                                                          usage=usage, quota=lease_quota(services))
+    except QuotaExceeded as exc:  # asked first (a cluster): the commit alone
         done = services.ledger.complete(job_id, seq, req.lease_token, req.output, req.next_cursor, req.items,
                                         usage=usage)
-        wait = int(exc.retry_after.total_seconds()) if exc.retry_after else 1
-        return jsonify({**done, "next": None}), 200, {"Batchgate-Job-Status": "running",
-                                                      "Retry-After": str(max(1, wait))}
-    done, leased = services.ledger.complete_and_lease(job_id, seq, req.lease_token, req.output,
-                                                      req.next_cursor, req.items, stage=req.next_stage,
-                                                      usage=usage)
+        return refused_next(done, exc)
+    except NextLeaseRefused as refused:  # committed; the lease part refused
+        return refused_next(refused.done, refused.refusal)
     if leased is None:
         status = services.ledger.job_fields(job_id)["status"]
         return jsonify({**done, "next": None}), 200, {"Batchgate-Job-Status": status}
     return jsonify({**done, "next": leased.envelope()}), 200, {"Batchgate-Job-Status": "running"}
+
+
+def lease_quota(services) -> Any:
+    """This request's lease quota for the ledger's lease script to count (quotas.LeaseQuota), or None:
+    off, or (a cluster) counted now by a call of its own, which raises its 429 here."""
+    return request_quotas().lease_quota(g.tenant, in_script=False)
+
+
+def refused_next(done: dict, refusal: QuotaExceeded):
+    """A commit's answer with no next batch: the lease quota refused it (Retry-After says when)."""
+    wait = int(refusal.retry_after.total_seconds()) if refusal.retry_after else 1
+    return jsonify({**done, "next": None}), 200, {"Batchgate-Job-Status": "running",
+                                                  "Retry-After": str(max(1, wait))}
 
 
 @bp.post("/batches/<int:seq>/fail")

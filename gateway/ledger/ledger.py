@@ -96,6 +96,21 @@ def _iso(ms: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}Z"
 
 
+class NextLeaseRefused(Exception):
+    """complete_and_lease committed (``done``, its answer) but the lease quota refused the next lease
+    (``refusal``, the 429 a lease would have had)."""
+
+    def __init__(self, done: dict[str, Any], refusal: Exception) -> None:
+        super().__init__(str(refusal))
+        self.done, self.refusal = done, refusal
+
+
+def with_quota(keys: list[str], args: list[Any], quota: Any) -> tuple[list[str], list[Any]]:
+    """lease.lua's KEYS and ARGV with a request's lease quota (quotas.LeaseQuota) to count: the
+    tenant's rate key before the outbox (always the last key), the limit and period after the pairs."""
+    return [*keys[:-1], quota.key, keys[-1]], [*args, quota.limit, quota.period_ms]
+
+
 class Ledger(ControlOps, ApprovalOps, QuarantineOps):
     """Operations on jobs and batches; one instance per Redis client."""
 
@@ -104,6 +119,8 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.index = JobIndex(client, self.keys, self.spec)  # follows every job script's status change
+        #: a Redis Cluster: a tenant's keys live in other slots than a job's, so no script takes both
+        self.cluster = isinstance(client, redis.RedisCluster)
         self.creations = CreationJournal(self.index, self.cancel)  # cluster: creations cut between slots
         if settings.redis_wait_replicas:  # durable commits: WAIT after each (JobIndex.run)
             self.index.wait = (settings.redis_wait_replicas,
@@ -249,16 +266,17 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
 
     # -- pull mode -------------------------------------------------------------------------
 
-    def lease(self, job_id: str, stage: str | None = None) -> Lease | None:
+    def lease(self, job_id: str, stage: str | None = None, quota: Any = None) -> Lease | None:
         """Lease the next ready pull-mode stage (planning a new batch if needed); None if none is ready.
 
-        Stages with a platform ``target`` are left to the dispatcher (push mode).
+        Stages with a platform ``target`` are left to the dispatcher (push mode). ``quota``: the
+        request's lease quota (quotas.LeaseQuota), counted by lease.lua in the same script.
         """
         spec = self.spec(job_id)
-        return self.lease_stages(job_id, self._stage_filter(spec, stage))
+        return self.lease_stages(job_id, self._stage_filter(spec, stage), quota=quota)
 
     def lease_stages(self, job_id: str, stages: list[int], lease_ms: int | None = None,
-                     first: tuple[list, str, str, int] | None = None) -> Lease | None:
+                     first: tuple[list, str, str, int] | None = None, quota: Any = None) -> Lease | None:
         """Lease the next ready batch at one of ``stages`` (indices); None only when nothing is ready.
 
         ``lease_ms`` overrides the stage's lease length (push mode: the dispatch queue timeout, until
@@ -270,8 +288,14 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         another one planning waits for its batches, for up to LEASE_PATIENCE_S, so a lost race never
         surfaces as "nothing ready". ``first`` is lease.lua's answer already had (complete_and_lease),
         with the lease token, plan lock holder and read-ahead it was asked with.
+
+        ``quota`` (quotas.LeaseQuota, a pull request's): the first lease.lua call counts it in its own
+        script (no round trip of its own) and a refusal raises its 429; the later calls of the same
+        request (after planning) are not counted again.
         """
         if not stages:
+            if quota is not None:
+                quota.admit()  # counted all the same, as every lease request is
             return None
         spec = self.spec(job_id)
         k = self.keys.job(job_id)
@@ -283,9 +307,15 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
                 first = None
             else:
                 keys, args, token, holder, ahead = self._lease_args(spec, tuple(stages), lease_ms)
-                with due_index.hinted(job_id, self._min_lease(args)):  # its due entry, same round trip
+                hint = self._min_lease(args)
+                if quota is not None:  # the request's first call counts it
+                    keys, args = with_quota(keys, args, quota)
+                with due_index.hinted(job_id, hint):  # its due entry, same round trip
                     res = self.scripts.lease(keys=keys, args=args)
             tag = res[0]
+            if tag == "rate":
+                raise quota.refusal(int(res[1]))
+            quota = None
             if tag == "ok":
                 _, seq, idx, attempt, deadline, start, end, items, prev, gen = res[:10]
                 return self._lease_from(spec, int(idx), token, int(seq), attempt, deadline, start, end,
@@ -499,27 +529,33 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
 
     def complete_and_lease(self, job_id: str, seq: int, token: str, output: Any,
                            next_cursor: Any = ABSENT, items: list | None = None, actor: str = "worker",
-                           stage: str | None = None,
-                           usage: Usage | None = None) -> tuple[dict[str, Any], Lease | None]:
+                           stage: str | None = None, usage: Usage | None = None,
+                           quota: Any = None) -> tuple[dict[str, Any], Lease | None]:
         """Commit the leased stage's output and lease the job's next ready pull stage (only ``stage``
         if given), in one script and one round trip when a batch is ready: a pull loop's step.
 
         The commit stands whatever the lease answers; the lease is as ``lease`` (planning a new batch
-        first, with a second round trip, when none is ready). Answers (as ``complete``, the next lease or
-        None)."""
+        first, with a second round trip, when none is ready), ``quota`` counted by its script. Answers
+        (as ``complete``, the next lease or None); a lease the quota refused raises NextLeaseRefused
+        with the commit's answer."""
         spec = self.spec(job_id)
         stages = self._stage_filter(spec, stage)
         if not stages:  # no pull stage to lease: the commit alone
             return self.complete(job_id, seq, token, output, next_cursor, items, actor, usage), None
         keys, args = self._complete_call(spec, seq, token, output, next_cursor, items, actor, usage)
         lkeys, largs, lease_token, holder, ahead = self._lease_args(spec, tuple(stages), None)
+        hint = self._min_lease(largs)
+        if quota is not None:
+            lkeys, largs = with_quota(lkeys, largs, quota)
         started = time.monotonic()
-        with due_index.hinted(job_id, self._min_lease(largs)):
+        with due_index.hinted(job_id, hint):
             both = self.scripts.complete_lease(keys=[*keys, *lkeys],
                                                args=[len(keys), len(args), *args, *largs])
         done = self._completed(spec, seq, both[0], started, usage)
         if both[1] is None:
             return done, None
+        if both[1][0] == "rate":
+            raise NextLeaseRefused(done, quota.refusal(int(both[1][1])))
         try:
             return done, self.lease_stages(job_id, stages, first=(both[1], lease_token, holder, ahead))
         except SourceUnavailable as exc:  # the commit stands: no next batch yet, a lease will say why

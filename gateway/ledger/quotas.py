@@ -24,9 +24,12 @@ filled it to the default limit of 10,000, and creations racing for one prune pas
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import redis
@@ -49,6 +52,18 @@ ACTIVE_RETRY_AFTER = timedelta(seconds=5)
 PRUNE_EVERY = timedelta(seconds=1)
 PRUNE_WAIT = timedelta(milliseconds=100)  # a refused creation waits this long for another's prune
 MINUTE_MS, SECOND_MS = 60_000, 1_000
+
+
+@dataclass(frozen=True)
+class LeaseQuota:
+    """A pull lease request's quota, for lease.lua to count in the lease's own script (one Redis: the
+    tenant's rate key and the job's keys are then on one server; Ledger.lease_stages)."""
+
+    key: str  #: the tenant's rate key (quota.lua's KEYS[1])
+    limit: int  #: leases per period
+    period_ms: int
+    refusal: Callable[[int], QuotaExceeded]  #: the 429 for a wait (ms)
+    admit: Callable[[], None]  #: count it by quota.lua instead (a request that never reaches lease.lua)
 
 
 class Quotas:
@@ -110,6 +125,20 @@ class Quotas:
         res = self._script(keys=[self.keys.quota_leases(tenant)], args=[limit, SECOND_MS])
         if res[0] == "rate":
             raise self._rate_refusal(tenant, "leases_per_second", limit, "leases a second", int(res[1]))
+
+    def lease_quota(self, tenant: str, in_script: bool) -> LeaseQuota | None:
+        """A pull lease request's quota: for lease.lua to count (``in_script``: one Redis), else counted
+        here now (quota.lua, a round trip of its own; raises QuotaExceeded); None when off or counted."""
+        limit = self.settings.quota_for(tenant).leases_per_second
+        if limit <= 0:
+            return None
+        if not in_script:
+            self.admit_lease(tenant)
+            return None
+        return LeaseQuota(self.keys.quota_leases(tenant), limit, SECOND_MS,
+                          functools.partial(self._rate_refusal, tenant, "leases_per_second", limit,
+                                            "leases a second"),
+                          functools.partial(self.admit_lease, tenant))
 
     def prune(self, tenant: str) -> int:
         """Drop the ids of finished or vanished jobs from the tenant's active set (at most one pass a

@@ -7,13 +7,17 @@
 -- ARGV[5] tolerated failure %   ARGV[6] plan lock holder ('' = never plan: the first stage is not offered)
 -- ARGV[7] plan lock lifetime (ms)   ARGV[8] inline read-ahead: items of src to return from the frontier's
 --         offset (0 = none)   ARGV[9] N   ARGV[10..9+2N] (stage, lease length ms) pairs, latest stage first
+-- Optional, a pull request's lease quota (one Redis only: the tenant's key is in another slot on a
+-- cluster, where the API asks quota.lua first): ARGV[10+2N] requests per period, ARGV[11+2N] period (ms),
+-- KEYS[7+N] the tenant's rate key. Counted first, whatever the answer (as POST /lease counts every
+-- request); a repeat of the call is answered from the journal, so a request is counted once.
 -- Returns {'ok', seq, stage, attempt, deadline_ms, start_cursor, end_cursor, items, input, generation
 --         [, piece: JSON list of the item indices to run; absent = all (docs/design.md "Bisection")]}
 --       | {'plan', next_seq, frontier, src length, src items...}  (the caller holds the plan lock now)
 --       | {'planning'} (another caller holds the plan lock: its batches come soon)
 --       | {'source_wait', retry_at_ms, error} (the source failed; not before retry_at)
 --       | {'none'} (nothing ready, nothing to plan) | {'busy'} (concurrency reached)
---       | {'status', s} | {'corrupt', 'job'}
+--       | {'status', s} | {'corrupt', 'job'} | {'rate', wait_ms} (the lease quota refused: nothing done)
 -- Invariant: one batch stage is leased to at most one holder; the attempt (fencing token) rises by one
 -- per lease; at most <concurrency> batches of a job are leased at once; only a running job leases; a
 -- corrupt job record refuses, a corrupt batch is never run (it counts as failed for good). The ready set
@@ -23,6 +27,13 @@
 -- the job's hash tag, so they live in KEYS[1]'s slot (Redis Cluster serves undeclared keys of the
 -- script's own slot; see docs/design.md).
 use_outbox(KEYS[#KEYS])
+local quota = ARGV[10 + 2 * tonumber(ARGV[9])]
+if quota then
+  local qkey, qnow = KEYS[7 + tonumber(ARGV[9])], now_ms()
+  local wait, new_tat = gcra_wait(qkey, tonumber(quota), tonumber(ARGV[11 + 2 * tonumber(ARGV[9])]), qnow)
+  if wait then return {'rate', int(wait)} end
+  gcra_take(qkey, new_tat, qnow)
+end
 local job = load(KEYS[1])
 if job == false then return {'corrupt', 'job'} end
 if job == nil then return {'status', 'missing'} end

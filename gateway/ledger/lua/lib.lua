@@ -88,6 +88,23 @@ local function reseal(key, map, changes)
   return redis.sha1hex(table.concat(flat, '\0'))
 end
 
+-- A tenant's rate quota by the generic cell rate algorithm (quota.lua): requests are spaced
+-- period/limit ms apart on average, a burst of up to <limit> let through at once. gcra_wait answers
+-- nil and the key's next value when a request is let through, else how long to wait (ms); gcra_take
+-- counts the request (a refused one is not counted). ``key``: the tenant's rate key (the theoretical
+-- arrival time, ms; expires when idle).
+local function gcra_wait(key, limit, period, now)
+  local tat = tonumber(redis.call('GET', key) or '0')
+  if tat < now then tat = now end
+  local new_tat = tat + period / limit
+  if new_tat - now > period then return math.ceil(new_tat - now - period), nil end
+  return nil, new_tat
+end
+
+local function gcra_take(key, new_tat, now)
+  redis.call('SET', key, string.format('%.3f', new_tat), 'PX', math.ceil(new_tat - now) + 1)
+end
+
 -- The batch record held under ``token``, or the reply for a caller whose lease is not current:
 -- {'corrupt'}, {'missing'}, {'cancelled'} (the job was cancelled: its leases are void) or
 -- {'stale', batch status, attempt}. Returns (batch, nil) or (nil, reply).

@@ -13,10 +13,9 @@ local now = now_ms()
 local limit, period = tonumber(ARGV[1]), tonumber(ARGV[2])
 local new_tat
 if limit > 0 then
-  local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
-  if tat < now then tat = now end
-  new_tat = tat + period / limit
-  if new_tat - now > period then return {'rate', math.ceil(new_tat - now - period)} end
+  local wait
+  wait, new_tat = gcra_wait(KEYS[1], limit, period, now)
+  if wait then return {'rate', wait} end
 end
 if KEYS[2] then
   local active_limit = tonumber(ARGV[3])
@@ -26,7 +25,5 @@ if KEYS[2] then
   end
   redis.call('SADD', KEYS[2], ARGV[4])
 end
-if new_tat then
-  redis.call('SET', KEYS[1], string.format('%.3f', new_tat), 'PX', math.ceil(new_tat - now) + 1)
-end
+if new_tat then gcra_take(KEYS[1], new_tat, now) end
 return {'ok'}
