@@ -155,7 +155,7 @@ def complete(job_id: str, seq: int):
 def lease_quota(services) -> Any:
     """This request's lease quota for the ledger's lease script to count (quotas.LeaseQuota), or None:
     off, or (a cluster) counted now by a call of its own, which raises its 429 here."""
-    return request_quotas().lease_quota(g.tenant, in_script=False)
+    return request_quotas().lease_quota(g.tenant, in_script=not services.ledger.cluster)
 
 
 def refused_next(done: dict, refusal: QuotaExceeded):
