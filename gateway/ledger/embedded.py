@@ -216,7 +216,12 @@ class EmbeddedRedis:
         args = [find_redis_server(), "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
                 "--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", self.fsync,
                 "--save", "", "--daemonize", "no", "--logfile", "redis.log",
-                "--protected-mode", "yes"]
+                "--protected-mode", "yes",
+                # records whose values pass Redis's default 64 B (outputs, the spec's flow, the sink's
+                # range summaries) stay compact listpacks: a batch record with two 100 B outputs takes
+                # 570 B instead of 1,928 (docs/benchmarks.md "Compact hashes"); 7.x calls it
+                # hash-max-listpack-value and takes this name too
+                "--hash-max-ziplist-value", "1024"]
         for command in DISABLED_COMMANDS:
             args += ["--rename-command", command, ""]
         # C collation: Lua's string order must match Python's for record checksums. Only what
