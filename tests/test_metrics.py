@@ -158,7 +158,8 @@ def test_failures_retries_expiries_calls_in_flight_and_deliveries_move_their_met
                      "stages": [{"name": "work", "lease": 1,
                                  "retry": {"initial_interval": 0.1, "maximum_attempts": 5}}]}
             for flow in (push, flaky):
-                assert requests.post(f"{base}/v1/flows", json=flow, headers=AUTH, timeout=10).status_code == 201
+                resp = requests.post(f"{base}/v1/flows", json=flow, headers=AUTH, timeout=10)
+                assert resp.status_code == 201, resp.text
             push_id = requests.post(f"{base}/v1/jobs", json={"flow_id": "push"}, headers=AUTH,
                                     timeout=10).json()["job_id"]
             # the call under way, counted by the worker process and read through the API's scrape
@@ -209,8 +210,9 @@ def test_failures_retries_expiries_calls_in_flight_and_deliveries_move_their_met
     # a retry after a reported failure, one after the expiry, a failure for good: as the log says
     assert total(after, "batchgate_batches_retried_total", stage="work") == len(retried) - len(expired) == 1
     assert total(after, "batchgate_lease_expiries_total", stage="work", outcome="retry") == len(expired) == 1
-    assert total(after, "batchgate_batches_failed_total", stage="work") == views[flaky_id]["batches"]["failed"] == 1
-    assert total(after, "batchgate_batches_committed_total", stage="work") == views[flaky_id]["batches"]["completed"]
+    batches = views[flaky_id]["batches"]
+    assert total(after, "batchgate_batches_failed_total", stage="work") == batches["failed"] == 1
+    assert total(after, "batchgate_batches_committed_total", stage="work") == batches["completed"]
     assert total(after, "batchgate_jobs", status="failed") == 1 and total(after, "batchgate_jobs",
                                                                         status="succeeded") == 1
     assert receiver.bad == 0

@@ -41,6 +41,7 @@ from gateway.push.supervisor import Supervisor
 from gateway.push.webhooks import Deliverer, RetryPolicy, sign
 from tests.conftest import TOKEN
 from tests.http import ApiClient, serve_app
+from tests.n8n_api import public_api
 
 pytestmark = pytest.mark.n8n
 
@@ -131,18 +132,6 @@ def example_workflow(name: str, secret: str) -> tuple[dict, str]:
     return workflow, path
 
 
-def public_api(session: requests.Session, method: str, path: str, **kwargs) -> requests.Response:
-    """A call of n8n's public API. Right after a start n8n registers the API's routes one by one (GET
-    /workflows answers while POST /workflows is still Express's 404 "Cannot POST": seen when this module
-    ran right after test_n8n_real.py had restarted n8n), so such a 404 is asked again for a while."""
-    deadline = time.monotonic() + 60
-    while True:
-        resp = session.request(method, f"{N8N_URL}/api/v1{path}", timeout=30, **kwargs)
-        if not (resp.status_code == 404 and "<pre>Cannot " in resp.text) or time.monotonic() > deadline:
-            return resp
-        time.sleep(0.5)
-
-
 class Workflow:
     """An example workflow created and activated through n8n's public API; ``close`` deactivates, deletes."""
 
@@ -151,11 +140,11 @@ class Workflow:
         body, self.path = example_workflow(name, secret)
         self.url = f"{N8N_URL}/webhook/{self.path}"
         assert not registered(self.path), f"{self.url} is taken: delete the workflow holding it"
-        resp = public_api(api, "POST", "/workflows", json=body)
+        resp = public_api(api, N8N_URL, "POST", "/workflows", json=body)
         assert resp.status_code == 200, resp.text
         self.id = resp.json()["id"]
         try:
-            resp = public_api(api, "POST", f"/workflows/{self.id}/activate")
+            resp = public_api(api, N8N_URL, "POST", f"/workflows/{self.id}/activate")
             assert resp.status_code == 200, resp.text
             wait_for(f"webhook {self.url} registered", lambda: registered(self.path), 15)
         except BaseException:

@@ -45,6 +45,7 @@ from gateway.push.dispatch import Dispatcher
 from gateway.push.supervisor import Supervisor
 from tests.conftest import TOKEN
 from tests.http import ApiClient, serve_app
+from tests.n8n_api import public_api
 
 pytestmark = pytest.mark.n8n
 
@@ -106,15 +107,8 @@ class N8n:
         assert port_closed(within_s=10), f"{N8N_URL} still answers after the SIGKILL"
 
     def call(self, method: str, path: str, **kwargs) -> requests.Response:
-        """A public API call. Right after a start, n8n registers the API's routes one by one (seen: GET
-        /credentials answering while POST /credentials was still Express's 404 "Cannot POST"), so such
-        a 404 is asked again for a while."""
-        deadline = time.monotonic() + 60
-        while True:
-            resp = self.api.request(method, f"{N8N_URL}/api/v1{path}", timeout=30, **kwargs)
-            if not (resp.status_code == 404 and "<pre>Cannot " in resp.text) or time.monotonic() > deadline:
-                return resp
-            time.sleep(0.5)
+        """A public API call (asked again while n8n is still registering its routes: n8n_api)."""
+        return public_api(self.api, N8N_URL, method, path, **kwargs)
 
 
 def port_closed(within_s: float) -> bool:
@@ -367,7 +361,8 @@ def test_pull_template_runs_a_job_through_a_sigkill_of_n8n(n8n, batchgate, workf
     got = Counter(lease["via"] for lease in leases(recorder))
     assert got["complete"] > got["lease"], got
     print(f"held seq {held_seq} with {committed_at_kill} batches committed; n8n API back {boot_s:.0f} s "
-          f"after the restart; batches leased by a commit / by a plain lease: {got['complete']} / {got['lease']}")
+          f"after the restart; batches leased by a commit / by a plain lease: "
+          f"{got['complete']} / {got['lease']}")
 
 
 # Lines put before the placeholder's code: a batch named in params.fail throws, "fatal" always (the

@@ -40,7 +40,8 @@ def check_graph(workflow: dict) -> None:
             for link in output:
                 assert link["node"] in nodes, link
                 edges.setdefault(source, set()).add(link["node"])
-    reached = {n for n, node in nodes.items() if "trigger" in node["type"].lower() or "webhook" in node["type"].lower()}
+    reached = {n for n, node in nodes.items()
+               if "trigger" in node["type"].lower() or "webhook" in node["type"].lower()}
     todo = list(reached)
     while todo:
         for nxt in edges.get(todo.pop(), ()):

@@ -182,7 +182,8 @@ def test_on_one_redis_a_lease_counts_its_quota_in_its_own_round_trip(serve, redi
     own.)"""
     asked: list[str] = []
     admit = Quotas.admit_lease
-    monkeypatch.setattr(Quotas, "admit_lease", lambda self, tenant: (asked.append(tenant), admit(self, tenant)))
+    monkeypatch.setattr(Quotas, "admit_lease",
+                        lambda self, tenant: (asked.append(tenant), admit(self, tenant)))
 
     def scripts_run() -> int:
         return int(redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
