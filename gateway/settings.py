@@ -116,6 +116,14 @@ class Settings(BaseSettings):
     sink_roots: dict[str, list[str]] = Field(
         default_factory=dict, description='directories jsonl/csv result sinks may write, by tenant, '
         '"*" for every tenant (as source_roots); unset or empty = file sinks are off')
+    sink_s3_buckets: dict[str, list[str]] = Field(
+        default_factory=dict, description='buckets ("results") or bucket prefixes ("results/acme/") s3 '
+        'result sinks may write, by tenant, "*" for every tenant (a JSON list = shared); '
+        'unset = s3 sinks are off')
+    s3_endpoint_url: str | None = Field(
+        default=None, description="an S3-compatible endpoint (MinIO, R2, ...) for s3 sinks; unset = AWS. "
+        "Credentials come from boto3's usual chain (AWS_ACCESS_KEY_ID, a profile, an instance role)")
+    s3_region: str | None = Field(default=None, description="the s3 sinks' region (else boto3's default)")
     log_at_rest: int = Field(default=100, ge=0, description="entries a job's log keeps once the job is at "
                              "rest and its results are delivered to its sink (jobs with a sink only)")
     sink_chunk: int = Field(default=200, ge=1, le=5000,
@@ -199,6 +207,20 @@ class Settings(BaseSettings):
             for tenant in value:
                 if tenant != SHARED:
                     check_tenant_name(tenant, "BATCHGATE_SOURCE_ROOTS")
+        return value
+
+    @field_validator("sink_s3_buckets", mode="before")
+    @classmethod
+    def _buckets(cls, value: object) -> object:
+        """A plain list of buckets is shared by every tenant."""
+        if isinstance(value, str):
+            value = json.loads(value) if value.strip().startswith(("[", "{")) else [value]
+        if isinstance(value, (list, tuple)):
+            value = {"*": list(value)}
+        if isinstance(value, dict):
+            for tenant in value:
+                if tenant != SHARED:
+                    check_tenant_name(tenant, "BATCHGATE_SINK_S3_BUCKETS")
         return value
 
     @field_validator("idempotency_ttl", "supervisor_interval", "callback_grace", "source_read_timeout",

@@ -307,7 +307,8 @@ SOURCE_RULE = Rule("a source is checked by its type (README, Sources) and read o
                    "invalid-request", r"^(source|the source|file sources|a fetching first stage|an external "
                    r"source|the flow defines no source)")
 SINK_RULE = Rule("a result sink is checked by its type (README, Result sinks): a file sink's path under "
-                 "BATCHGATE_SINK_ROOTS, a new file (a flow's with {job_id}), an http sink's URL",
+                 "BATCHGATE_SINK_ROOTS, a new file (a flow's with {job_id}), an http sink's URL, an s3 "
+                 "sink's bucket and prefix under BATCHGATE_SINK_S3_BUCKETS",
                  "invalid-request", r"sink")
 FLOW_RULES = (
     Rule("stage names are unique", "invalid-request", "stage names must be unique"),

@@ -25,6 +25,7 @@ from gateway.ledger import bisect
 from gateway.ledger.records import loads_or_none
 from gateway.ledger.results import (
     SinkState,
+    check_sink_s3,
     check_sink_url,
     create_sink_file,
     compacted_batch_view,
@@ -121,6 +122,7 @@ class JobService:
         sink = job_sink(parse_sink(req.sink) if req.sink is not None else flow.sink, job_id)
         if sink and sink["type"] == "http":
             check_sink_url(sink["url"], self.ledger.settings)
+        check_sink_s3(sink, self.ledger.settings, tenant)
         spec = JobSpec(job_id=job_id, tenant=tenant, flow=flow, flow_hash=record["hash"],
                        source=source, params=req.params,
                        total_hint=total_hint(source, len(inline) if inline is not None else None),

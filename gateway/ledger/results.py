@@ -2,7 +2,9 @@
 the range summaries delivered batch records are compacted to (compact.lua).
 
 A sink is ``{"type": "jsonl" | "csv", "path": "/abs/file"}`` (a file under ``BATCHGATE_SINK_ROOTS``),
-``{"type": "http", "url": "https://..."}`` (POSTs through the outbound guard) or ``{"type": "discard"}``
+``{"type": "http", "url": "https://..."}`` (POSTs through the outbound guard), ``{"type": "s3", "bucket":
+"results", "prefix": "screening/"}`` (JSONL objects ``<prefix><job_id>/<first seq>.jsonl`` in a bucket
+``BATCHGATE_SINK_S3_BUCKETS`` lets the tenant write; the s3 extra, boto3) or ``{"type": "discard"}``
 (the stages store their results themselves: nothing is written, records still compact). Delivery itself
 is gateway/push/sinks.py; this module is the ledger's side: what is due, recording it, and reading a
 job's batches once some of them are summaries. docs/design.md "Result sinks and compaction".
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,9 +35,17 @@ class SinkSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["jsonl", "csv", "http", "discard"]
+    type: Literal["jsonl", "csv", "http", "s3", "discard"]
     path: str | None = Field(default=None, max_length=4096, description="jsonl/csv: an absolute path")
     url: str | None = Field(default=None, max_length=2048, description="http: where batches are POSTed")
+    bucket: str | None = Field(default=None, max_length=63, description="s3: the bucket")
+    prefix: str | None = Field(default=None, max_length=512,
+                               description="s3: objects are <prefix><job_id>/<seq>.jsonl")
+
+
+# S3's bucket naming rules (lowercase letters, digits, dots, hyphens; 3-63; no IP-like names): a name
+# that passes cannot change the host or path of a virtual-hosted or path-style request.
+BUCKET = re.compile(r"^(?!\d+\.\d+\.\d+\.\d+$)(?!xn--)[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
 JOB_ID = "{job_id}"  # in a file sink's path: the job's id (every job of a flow writes its own file)
@@ -57,6 +68,16 @@ def parse_sink(raw: Any, in_flow: bool = False) -> dict[str, Any] | None:
         raise InvalidRequest("sink: an http sink needs an http(s) url")
     if sink.type not in FILE_SINKS and sink.path or sink.type != "http" and sink.url:
         raise InvalidRequest(f"sink: a {sink.type} sink takes no {'path' if sink.path else 'url'}")
+    if sink.type != "s3" and (sink.bucket is not None or sink.prefix is not None):
+        raise InvalidRequest(f"sink: a {sink.type} sink takes no {'bucket' if sink.bucket else 'prefix'}")
+    if sink.type == "s3":
+        if not sink.bucket or not BUCKET.match(sink.bucket) or ".." in sink.bucket:
+            raise InvalidRequest("sink.bucket: an s3 sink needs a bucket name (3-63 lowercase letters, "
+                                 "digits, dots and hyphens)")
+        if sink.prefix is not None and (sink.prefix.startswith("/") or any(
+                ord(c) < 32 or c == "\x7f" for c in sink.prefix) or "../" in sink.prefix + "/"):
+            raise InvalidRequest("sink.prefix: an object key prefix may not start with '/', hold '..' "
+                                 "segments or control characters")
     if in_flow and sink.type in FILE_SINKS and JOB_ID not in (sink.path or ""):
         raise InvalidRequest(f"sink.path: a flow's {sink.type} sink is written by each of its jobs, so its "
                              f"path must hold {JOB_ID} (each job writes its own file)")
@@ -108,6 +129,37 @@ def check_sink(sink: dict[str, Any] | None, settings: Settings | None, tenant: s
         return check_path(sink["path"], access)
     except chunker.FileAccessError as exc:
         raise InvalidRequest(f"sink: {str(exc).replace('source roots', 'sink roots')}") from exc
+
+
+def s3_object_key(sink: dict[str, Any], job_id: str, first: int) -> str:
+    """The object an s3 sink's delivery from seq ``first`` writes: one per chunk, named by where it starts,
+    so a delivery that runs again from the same cursor (the last one died before it was recorded)
+    replaces the object rather than adding another."""
+    return f"{sink.get('prefix', '')}{job_id}/{first:012d}.jsonl"
+
+
+def check_sink_s3(sink: dict[str, Any] | None, settings: Settings | None, tenant: str) -> None:
+    """422 for an s3 sink the tenant may not write: BATCHGATE_SINK_S3_BUCKETS names, by tenant ("*": every
+    tenant), the buckets ("results") or bucket prefixes ("results/acme/") its sinks may write; or for
+    an s3 sink where boto3 (the s3 extra) is not installed. Checked at creation and at every delivery."""
+    if sink is None or sink["type"] != "s3":
+        return
+    try:
+        import boto3  # noqa: F401 - only whether it is there
+    except ImportError:
+        raise InvalidRequest("s3 sinks need the s3 extra: pip install 'batchgate[s3]' (boto3)") from None
+    grants = settings.sink_s3_buckets if settings is not None else {}
+    allowed = (*grants.get(tenant, ()), *grants.get("*", ()))
+    if not allowed:
+        raise InvalidRequest(f"s3 sinks are off: set BATCHGATE_SINK_S3_BUCKETS to the buckets s3 sinks may "
+                             f"write (none for tenant {tenant})")
+    key = s3_object_key(sink, "", 0)[:-len("000000000000.jsonl")]  # the sink's prefix
+    for grant in allowed:
+        bucket, _, prefix = grant.partition("/")
+        if bucket == sink["bucket"] and key.startswith(prefix):
+            return
+    raise InvalidRequest(f"sink: bucket {sink['bucket']!r} with prefix {sink.get('prefix', '')!r} is not one "
+                         f"tenant {tenant} may write (BATCHGATE_SINK_S3_BUCKETS)")
 
 
 def check_sink_url(url: str, settings: Settings | None) -> None:

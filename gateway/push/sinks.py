@@ -13,6 +13,14 @@ before it writes them again; a Redis that restarts and forgets the last record h
 offset too. So the final file holds every delivered batch once. The claim (``sinkclaim``, SET NX PX)
 keeps one deliverer per job in the normal case; correctness rests on the lock and the compare-and-set.
 
+Exactly once in an S3 bucket. A chunk is one JSONL object named by the seq it starts at
+(``<prefix><job_id>/<first seq>.jsonl``); the cursor moves only after the PUT succeeded. A delivery that
+runs again from the same cursor (the last one died between its PUT and its record) writes the same
+object again, with the chunk as it is now, and deletes it when the chunk holds no completed batch; so
+the objects hold every delivered batch once. The claim keeps two deliverers from writing one job's
+chunk at the same time as long as a PUT takes less than the claim (30 s; the client's timeouts are
+``sink_timeout`` and it does not retry on its own); records carry stable ids for the rare rest.
+
 At least once over HTTP. A chunk is POSTed as ``{"job_id", "records": [...]}``; each record's ``id``
 (``<job_id>.<seq>``) is stable across retries, so a receiver deduplicates by it. The cursor moves only
 after a 2xx; a refusal, a timeout or a dead process sends the same chunk again later (backing off).
@@ -39,7 +47,14 @@ from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.jobspec import JobSpec
 from gateway.ledger.ledger import Ledger
 from gateway.ledger.records import dumps, loads_or_none
-from gateway.ledger.results import FILE_SINKS, SinkState, check_sink, compact_keys
+from gateway.ledger.results import (
+    FILE_SINKS,
+    SinkState,
+    check_sink,
+    check_sink_s3,
+    compact_keys,
+    s3_object_key,
+)
 from gateway.net.outbound import session_for
 
 log = logging.getLogger(__name__)
@@ -64,6 +79,7 @@ class SinkDeliverer:
         self.name = name or f"sinks@{socket.gethostname()}:{os.getpid()}"
         self.session = session or session_for(self.settings)
         self.stop = threading.Event()
+        self._s3: Any = None  # the boto3 client, made on the first s3 delivery
         self._retry_at: dict[str, tuple[float, float]] = {}  # job id -> (monotonic time, last delay)
 
     def run(self) -> None:
@@ -234,6 +250,9 @@ class SinkDeliverer:
         if kind == "http":
             self._post(spec, records)
             return 0
+        if kind == "s3":
+            self._put(spec, state.seq, records)
+            return 0
         assert fd is not None
         size = os.fstat(fd).st_size
         if size < state.offset:
@@ -260,6 +279,40 @@ class SinkDeliverer:
                                  timeout=(timeout, timeout), allow_redirects=False)
         if not 200 <= resp.status_code < 300:
             raise SinkFailed(f"the http sink answered {resp.status_code}")
+
+    def _put(self, spec: JobSpec, first: int, records: list[dict[str, Any]]) -> None:
+        """Write the chunk from seq ``first`` as its object (or delete that object when the chunk has no
+        completed batch: what a dead earlier delivery may have put there is not delivered)."""
+        assert spec.sink is not None
+        check_sink_s3(spec.sink, self.settings, spec.tenant)  # grants may have narrowed since
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        key = s3_object_key(spec.sink, spec.job_id, first)
+        try:
+            if records:
+                self._s3_client().put_object(Bucket=spec.sink["bucket"], Key=key, Body=_jsonl(records),
+                                             ContentType="application/x-ndjson")
+            else:
+                self._s3_client().delete_object(Bucket=spec.sink["bucket"], Key=key)
+        except ClientError as exc:
+            error = exc.response.get("Error", {})
+            raise SinkFailed(f"the s3 sink answered {error.get('Code', '?')} for "
+                             f"s3://{spec.sink['bucket']}/{key}: {error.get('Message', '')}"[:300]) from None
+        except BotoCoreError as exc:
+            raise SinkFailed(f"the s3 sink could not be reached: {type(exc).__name__}") from None
+
+    def _s3_client(self) -> Any:
+        if self._s3 is None:
+            import boto3
+            from botocore.config import Config
+
+            timeout = self.settings.sink_timeout.total_seconds()
+            config = Config(connect_timeout=timeout, read_timeout=timeout,
+                            retries={"max_attempts": 1, "mode": "standard"},  # the deliverer backs off itself
+                            s3={"addressing_style": "path"} if self.settings.s3_endpoint_url else None)
+            self._s3 = boto3.session.Session().client("s3", endpoint_url=self.settings.s3_endpoint_url,
+                                                      region_name=self.settings.s3_region, config=config)
+        return self._s3
 
     # -- bookkeeping -------------------------------------------------------------------------
 
