@@ -165,6 +165,7 @@ def test_every_ledger_script_run_on_a_job_touches_one_slot(cluster_client, clust
         # result sinks (push/sinks.py; run on the cluster by tests/test_sinks.py)
         "compact": [k.job, k.sink, k.batch(0), k.batch(1), k.items(0), k.items(1)],
         "rest": [k.job, k.log, k.audit, k.events, k.sink],
+        "archive": [k.job, k.spec, k.log, k.audit, k.events, k.past],
     }
     assert set(OPERATIONS) <= ran | set(static)
     assert [name for name, ks in static.items() if not one_slot(ks)] == []

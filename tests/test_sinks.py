@@ -5,6 +5,7 @@ and delivered batch records below the watermark fold into range summaries that e
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
 from gateway.errors import InvalidRequest
+from gateway.ledger import archive
 from gateway.ledger.embedded import EmbeddedRedis, client_for
 from gateway.ledger.flows import parse_flow
 from gateway.ledger.jobs import JobRequest, JobService, ResumeRequest
@@ -328,12 +330,16 @@ def test_a_job_at_rest_holds_no_batch_record(ledger, jobs, registry, tmp_path):
     drain(ledger, job_id, output)
     SinkDeliverer(ledger).run_once()
     memory = job_memory(ledger.r, job_id)
-    assert not [key for key in memory if key.startswith(("batch:", "items:"))]
-    assert ledger.r.xlen(ledger.keys.job(job_id).log) == 100  # log_at_rest (it held 300+ entries)
-    assert [f["event"] for _, f in ledger.r.xrange(ledger.keys.job(job_id).audit)] == ["job_created"]
-    assert memory["sink"] < 1024, memory  # a hashtable: a summary is longer than hash-max-ziplist-value
-    # the log's 100 entries take 8-12 KB (their stream ids' deltas: how far apart they were written)
-    assert sum(v for key, v in memory.items() if key != "log") < 6_000, memory
+    # its spec and streams folded into one value (archive.py); what is left: job, sink, cost, past
+    assert sorted(memory) == ["cost", "job", "past", "sink"], memory
+    k = ledger.keys.job(job_id)
+    log = archive.entries(ledger.r, k, "log")
+    assert len(log) == 100 and log[-1][1]["seq"] == "99"  # log_at_rest, the newest
+    assert [f["event"] for _, f in archive.entries(ledger.r, k, "audit")] == ["job_created"]
+    assert jobs.view("acme", job_id)["flow"]["id"] == "f1"  # the spec, from the past
+    # 2.4 KB: the log's 100 entries, compressed with the rest, take ~0.9 KB of the past (a one-batch
+    # job at rest: 1.6 KB, benchmarks/bench_memory.py); the streams alone took 8-12 KB before
+    assert sum(memory.values()) < 2_800, memory
 
 
 def test_a_fresh_commit_waits_out_the_grace_and_a_late_repeat_is_stale(ledger, jobs, registry, tmp_path,
@@ -573,7 +579,10 @@ def test_delivery_and_compaction_on_a_redis_cluster(cluster_client, cluster_sett
         assert [r["seq"] for r in lines(tmp_path / "out" / f"{job_id}.jsonl")] == list(range(10))
         [row] = jobs.batches("acme", job_id, None, -1, 10)
         assert (row["first_seq"], row["last_seq"], row["items"]) == (0, 9, 30)
-        assert cluster_client.xlen(ledger.keys.job(job_id).log) <= settings.log_at_rest
+        k = ledger.keys.job(job_id)  # at rest: folded into its past on the job's slot (archive.lua)
+        assert cluster_client.exists(k.past) and not cluster_client.exists(k.spec)
+        assert 0 < len(archive.entries(cluster_client, k, "log")) <= settings.log_at_rest
+        assert jobs.view("acme", job_id)["status"] == "succeeded"
     assert cluster_client.scard(ledger.keys.sink_jobs) == 0
 
 
@@ -606,3 +615,61 @@ def test_a_batch_with_quarantined_items_is_delivered_but_keeps_its_record_for_th
     run(ledger, job_id, set(), stored=stored)  # the platform is fixed
     assert stored == [5] and ledger.job_fields(job_id)["status"] == "succeeded"
     assert ledger.quarantined(job_id) == []
+
+
+def test_a_folded_job_serves_spec_log_and_audit_and_folds_again_after_a_rewind(api, ledger, jobs, registry,
+                                                                               tmp_path):
+    """A job at rest whose results are delivered folds its spec and streams into one value (archive.py);
+    the API reads them from there (paging by ``after`` across the past and the new stream), a rewind
+    runs it again with fresh streams, and its next rest folds both together, losing no audit entry."""
+    path = tmp_path / "out" / "r.jsonl"
+    job_id = new_job(jobs, registry, {"type": "jsonl", "path": str(path)}, items=12, stages=("only",))
+    drain(ledger, job_id, output)
+    SinkDeliverer(ledger).run_once()
+    k = ledger.keys.job(job_id)
+    assert ledger.r.exists(k.past) and not any(ledger.r.exists(key) for key in (k.spec, k.log, k.audit))
+    ledger.forget(job_id)  # no spec cached in this process: read from the past
+    log = api.get(f"/v1/jobs/{job_id}/log").json()["entries"]
+    assert [e["event"] for e in log if e["event"] == "stage_completed"] == ["stage_completed"] * 4
+    page = api.get(f"/v1/jobs/{job_id}/log", params={"limit": 3}).json()["entries"]
+    rest = api.get(f"/v1/jobs/{job_id}/log", params={"after": page[-1]["id"]}).json()["entries"]
+    assert page + rest == log
+    assert [e["event"] for e in api.get(f"/v1/jobs/{job_id}/audit").json()["entries"]] == ["job_created"]
+    assert api.get(f"/v1/jobs/{job_id}").json()["flow"]["id"] == "f1"
+    assert api.get("/v1/jobs").json()["jobs"][0]["job_id"] == job_id  # the listing reads the past's spec
+
+    cursor = lines(path)[2]["cursor"]
+    jobs.resume("acme", job_id, ResumeRequest(cursor=cursor, reason="redo from batch 2"), "op")
+    drain(ledger, job_id, output)
+    audit = [e["event"] for e in api.get(f"/v1/jobs/{job_id}/audit").json()["entries"]]
+    assert audit[0] == "job_created" and "cursor_moved" in audit  # the past's, then the new stream's
+    log_before = api.get(f"/v1/jobs/{job_id}/log").json()["entries"]
+    assert log_before[:len(log)] == log and len(log_before) > len(log)
+    SinkDeliverer(ledger).run_once()  # at rest again: folds the new entries into the past
+    assert not ledger.r.exists(k.audit) and not ledger.r.exists(k.log)
+    assert [e["event"] for e in api.get(f"/v1/jobs/{job_id}/audit").json()["entries"]] == audit
+    assert api.get(f"/v1/jobs/{job_id}/log").json()["entries"] == log_before
+    assert [r["seq"] for r in lines(path)] == [0, 1, 2, 3, 4, 5]
+
+
+def test_folding_refuses_when_an_entry_came_in_after_the_read(ledger, jobs, registry, tmp_path, monkeypatch):
+    """archive.lua is a compare-and-set on what fold() read: an audit entry appended in between (an
+    operator acting on the job) makes it answer 'raced' and remove nothing; the next fold takes it."""
+    path = tmp_path / "out" / "r.jsonl"
+    job_id = new_job(jobs, registry, {"type": "jsonl", "path": str(path)}, items=6)
+    drain(ledger, job_id, output)
+    k = ledger.keys.job(job_id)
+    real = ledger.scripts.archive
+
+    def late_entry(keys, args):
+        ledger.r.xadd(k.audit, {"event": "note", "actor": "op"})  # after the read, before the script
+        return real(keys=keys, args=args)
+
+    monkeypatch.setattr(ledger, "scripts", dataclasses.replace(ledger.scripts, archive=late_entry))
+    SinkDeliverer(ledger).run_once()
+    assert not ledger.r.exists(k.past) and ledger.r.xlen(k.audit) == 2  # nothing folded, nothing lost
+    monkeypatch.undo()
+    assert ledger.r.sismember(ledger.keys.sink_jobs, job_id)  # followed again: the next pass folds it
+    SinkDeliverer(ledger).run_once()
+    assert ledger.r.exists(k.past) and not ledger.r.exists(k.audit)
+    assert [f["event"] for _, f in archive.entries(ledger.r, k, "audit")] == ["job_created", "note"]

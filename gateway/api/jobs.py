@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.api.common import Services, app_service, idempotent, json_body, query_int, request_services
 from gateway.errors import InvalidRequest
+from gateway.ledger import archive
 from gateway.ledger.joblist import parse_query
 from gateway.ledger.jobs import JobRequest, MigrateRequest, ResumeRequest, new_job_id
 from gateway.ledger.migrate import settle
@@ -99,19 +100,19 @@ def job_log(job_id: str):
     """Execution log entries, oldest first, after stream id ``after``."""
     services = request_services()
     spec = services.jobs.owned_spec(g.tenant, job_id)
-    return jsonify({"entries": _read_stream(services, services.ledger.keys.job(job_id).log,
-                                            [s.name for s in spec.flow.stages])})
+    return jsonify({"entries": _read_stream(services, job_id, "log", [s.name for s in spec.flow.stages])})
 
 
-def _read_stream(services, key: str, stage_names: list[str] | None) -> list[dict]:
-    """Entries after ``?after=`` (a stream id), at most ``?limit=``, with typed values."""
+def _read_stream(services, job_id: str, kind: str, stage_names: list[str] | None) -> list[dict]:
+    """The job's ``kind`` entries (log, audit; a job at rest's past first) after ``?after=`` (a stream
+    id), at most ``?limit=``, with typed values."""
     after = request.args.get("after", "-")
     limit = query_int("limit", 200, 1, 10_000)
     if not re.fullmatch(LOG_ID, after):
         raise InvalidRequest("after must be a log entry id such as 1700000000000-0")
     start = "-" if after == "-" else f"({after}"
     try:
-        entries = services.redis.xrange(key, start, "+", count=limit)
+        entries = archive.entries(services.redis, services.ledger.keys.job(job_id), kind, start, "+", limit)
     except redis.ResponseError as exc:  # a malformed stream id from the caller
         raise InvalidRequest("after must be a log entry id such as 1700000000000-0") from exc
     return [{"id": i, **_when(i), **typed_entry(fields, stage_names)} for i, fields in entries]
@@ -129,7 +130,7 @@ def job_audit(job_id: str):
     """Control events (created, paused, resumed, cursor moved, cancelled, ...), oldest first; never capped."""
     services = request_services()
     services.jobs.owned_spec(g.tenant, job_id)
-    return jsonify({"entries": _read_stream(services, services.ledger.keys.job(job_id).audit, None)})
+    return jsonify({"entries": _read_stream(services, job_id, "audit", None)})
 
 
 @bp.post("/<job_id>/pause")

@@ -25,6 +25,7 @@ from gateway.api.jobs import (
 )
 from gateway.console.auth import bp, current, services
 from gateway.errors import BatchgateError, InvalidRequest
+from gateway.ledger import archive
 from gateway.ledger.jobindex import STATUSES
 from gateway.ledger.joblist import Page, parse_query
 from gateway.ledger.jobs import BATCH_STATUSES, MigrateRequest, ResumeRequest, batch_view
@@ -95,12 +96,13 @@ def _int_arg(name: str, default: int) -> int:
     return int(raw) if raw.lstrip("-").isdigit() and -1 <= int(raw) < 2**53 else default
 
 
-def _recent(key: str, stage_names: list[str] | None, arg: str) -> tuple[list[dict[str, Any]], str | None]:
+def _recent(k: Any, kind: str, stage_names: list[str] | None,
+            arg: str) -> tuple[list[dict[str, Any]], str | None]:
     """The newest entries of a log or audit stream (newest first), before the entry id in query
     argument ``arg`` if given; and that argument's value for the older page (None: no older entries)."""
     before = request.args.get(arg, "")
     top = f"({before}" if re.fullmatch(STREAM_ID, before) else "+"
-    found = services().redis.xrevrange(key, top, "-", count=STREAM_SHOWN + 1)
+    found = archive.entries(services().redis, k, kind, top, "-", STREAM_SHOWN + 1, reverse=True)
     entries = [{"id": i, **typed_entry(fields, stage_names)} for i, fields in found[:STREAM_SHOWN]]
     return entries, entries[-1]["id"] if len(found) > STREAM_SHOWN else None
 
@@ -130,8 +132,8 @@ def _job_context(job_id: str) -> dict[str, Any]:
     listed = listed[:BATCH_PAGE]
     k = svc.ledger.keys.job(job_id)
     names = [s.name for s in spec.flow.stages]
-    log, log_older = _recent(k.log, names, "log_before")
-    audit, audit_older = _recent(k.audit, None, "audit_before")
+    log, log_older = _recent(k, "log", names, "log_before")
+    audit, audit_older = _recent(k, "audit", None, "audit_before")
     return {
         "job": view, "counts": batch_counts(view), "batches": listed, "batch_status": status,
         "batch_statuses": BATCH_STATUSES,

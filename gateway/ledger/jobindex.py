@@ -32,6 +32,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from gateway import metrics
+from gateway.ledger import archive
 from gateway.ledger import due as due_index
 from gateway.ledger.keys import Keys
 from gateway.ledger.multi import multi
@@ -341,6 +342,8 @@ class JobIndex:
                 pipe.hget(self.keys.job(job_id).spec, "flow")
             replies = pipe.execute()
             for job_id, (status, created), flow in zip(ids, replies[::2], replies[1::2]):
+                if flow is None and status is not None:  # a job at rest keeps its spec in its past
+                    flow = archive.spec_fields(self.r, self.keys.job(job_id)).get("flow")
                 f = _filed(status, created, flow)
                 if f is None:
                     gone.append(job_id)

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.errors import CorruptRecord, InvalidRequest, NotFound
+from gateway.ledger import archive
 from gateway.ledger.flows import NAME
 from gateway.ledger.jobindex import STATUSES, Filed, job_of, member
 from gateway.ledger.multi import multi
@@ -214,7 +215,8 @@ def _verified(service: Any, tenant: str, key: str, query: ListQuery,
             views.append(None)
             continue
         try:
-            spec = cached[job_id] or ledger.spec_from(job_id, spec_fields)
+            spec = cached[job_id] or ledger.spec_from(
+                job_id, archive.spec_fields(ledger.r, ledger.keys.job(job_id), spec_fields))
         except NotFound:
             gone.append((job_id, filed, entry))
             views.append(None)

@@ -42,6 +42,11 @@ Per job (owner: the ledger scripts; expiry: retention, see ``Ledger.apply_retent
                                        ``r:<first seq>`` = JSON ``{first, last, gen, cursor, end_cursor,
                                        batches, items, superseded}``, ``rlast`` (compact.lua,
                                        push/sinks.py); only jobs with a sink
+``<p>:{<job>}:past``           string  a job at rest, folded (archive.py, archive.lua): zlib JSON of its spec and
+                                       its log, audit and (once every subscriber had them) events entries;
+                                       the spec hash and those streams are gone then. Readers take the
+                                       spec from it when the hash is absent, and its entries before the
+                                       streams' (new ones, after a resume or migration)
 ``<p>:{<job>}:sinkclaim``      string  the one deliverer of the job's sink now (SET NX PX, push/sinks.py)
 =============================  ======  =====================================================
 
@@ -208,6 +213,10 @@ class JobKeys:
     @property
     def sink(self) -> str:
         return f"{self._base}:sink"
+
+    @property
+    def past(self) -> str:
+        return f"{self._base}:past"
 
     @property
     def sink_claim(self) -> str:

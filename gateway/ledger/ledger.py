@@ -28,7 +28,7 @@ from gateway.errors import (
     SourceUnavailable,
     StaleLease,
 )
-from gateway.ledger import bisect
+from gateway.ledger import archive, bisect
 from gateway.ledger import due as due_index
 from gateway.ledger.approvals import ApprovalOps, Approvals, gate_keys, gates_arg
 from gateway.ledger.control import ControlOps
@@ -170,7 +170,7 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
                 self._specs[job_id] = (cached[0], now)
                 self._specs.move_to_end(job_id)
             return cached[0]
-        return self.spec_from(job_id, self.r.hgetall(self.keys.job(job_id).spec))
+        return self.spec_from(job_id, archive.spec_fields(self.r, self.keys.job(job_id)))
 
     def fresh_spec(self, job_id: str) -> JobSpec | None:
         """The cached spec if it was seen current within SPEC_RECHECK_S (no round trip), else None."""
@@ -741,7 +741,7 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         # below it, only batches with quarantined items kept their records (compact.lua)
         kept = {int(m.split(".")[0]) for m in self.r.zrange(k.quarantine, 0, -1)} if compacted else set()
         return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.audit, k.events, k.cost,
-                k.approvals, k.approvals_due, k.sink, k.quarantine,
+                k.approvals, k.approvals_due, k.sink, k.quarantine, k.past,
                 *[k.approval(*(int(x) for x in a.split(".")[-3:])) for a in approvals],
                 *self._ready_keys(spec),
                 *[key for s in sorted(kept & set(range(compacted))) for key in (k.batch(s), k.items(s))],

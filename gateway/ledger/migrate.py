@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from gateway.errors import Conflict, CorruptRecord, JobCancelled, NotFound, RetryableError
+from gateway.ledger import archive
 from gateway.ledger.flows import FlowSpec, Stage
 from gateway.ledger.jobspec import JobSpec
 from gateway.ledger.ledger import SPEC_RECHECK_S, Ledger
@@ -65,6 +66,7 @@ def migrate(ledger: Ledger, spec: JobSpec, flow: FlowSpec, flow_hash: str, actor
     """
     script = ledger.r.register_script(source("migrate"))
     k = ledger.keys.job(spec.job_id)
+    archive.restore_spec(ledger.r, k)  # a job at rest folded its spec into its past: migrate.lua checks it
     for _ in range(RACE_RETRIES):
         spec = ledger.spec(spec.job_id)
         new = dataclasses.replace(spec, flow=flow, flow_hash=flow_hash, spec_gen=spec.spec_gen + 1,

@@ -26,6 +26,7 @@ from typing import Any
 
 from gateway import logs, metrics
 from gateway.errors import BatchgateError, Conflict, CorruptRecord, NotFound
+from gateway.ledger import archive
 from gateway.ledger import due as due_index
 from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.generation import Generation
@@ -311,7 +312,7 @@ class Supervisor:
     def _count_recovered(self, job_id: str, status: str) -> None:
         """A job that went through a recovery ends: count how (the resume success rate's parts)."""
         try:
-            entries = self.ledger.r.xrange(self.ledger.keys.job(job_id).audit, count=10_000)
+            entries = archive.entries(self.ledger.r, self.ledger.keys.job(job_id), "audit", count=10_000)
         except REDIS_DOWN:
             return
         if any(fields.get("event") == "job_recovered" for _, fields in entries):
