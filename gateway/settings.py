@@ -124,6 +124,9 @@ class Settings(BaseSettings):
         default=None, description="an S3-compatible endpoint (MinIO, R2, ...) for s3 sinks; unset = AWS. "
         "Credentials come from boto3's usual chain (AWS_ACCESS_KEY_ID, a profile, an instance role)")
     s3_region: str | None = Field(default=None, description="the s3 sinks' region (else boto3's default)")
+    due_shards: int = Field(default=1, ge=1, le=1024, description="sorted sets the supervisor's due index "
+                            "is cut into (a job's by crc32 of its id): on a Redis Cluster, about 4 per "
+                            "master spreads its writes (one per lease) over the masters; 1 on one Redis")
     log_at_rest: int = Field(default=100, ge=0, description="entries a job's log keeps once the job is at "
                              "rest and its results are delivered to its sink (jobs with a sink only)")
     sink_chunk: int = Field(default=200, ge=1, le=5000,

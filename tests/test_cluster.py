@@ -175,6 +175,39 @@ def test_every_ledger_script_run_on_a_job_touches_one_slot(cluster_client, clust
 
 # -- durable commits: WAIT after each commit script ------------------------------------------------
 
+def test_the_due_index_shards_spread_over_the_masters_and_leases_expire_on_time(cluster_client,
+                                                                               cluster_settings):
+    """BATCHGATE_DUE_SHARDS on a cluster: the due index's sets hash to slots on every master, so the
+    index write each lease makes spreads over them; a supervisor still expires every due lease once."""
+    import time
+
+    from gateway.ledger.flows import FlowRegistry, parse_flow
+    from gateway.ledger.jobs import JobRequest, JobService
+    from gateway.ledger.ledger import Ledger
+    from gateway.push.supervisor import Supervisor
+
+    ledger = Ledger(cluster_client, cluster_settings.model_copy(update={"due_shards": 6}))
+    masters = {cluster_client.get_node_from_key(key).name for key in ledger.keys.due_keys()}
+    assert len(masters) == 3, masters
+    registry = FlowRegistry(cluster_client, ledger.keys)
+    jobs = JobService(ledger, registry)
+    registry.register("acme", parse_flow({"id": "d", "version": "1", "batching": {"max_items": 1},
+                                          "stages": [{"name": "s", "lease": 0.3}],
+                                          "source": {"type": "sequence", "count": 4}}))
+    made = [jobs.create("acme", JobRequest(flow_id="d"))["job_id"] for _ in range(12)]
+    for job_id in made:
+        assert ledger.lease(job_id) is not None
+    assert len({ledger.keys.due_for(j) for j in made}) > 1
+    time.sleep(0.4)
+    sup = Supervisor(ledger, name="due-shards", sweep_visits=0)
+    sup.tick()
+    sup.tick()
+    for job_id in made:
+        expired = [f for _, f in cluster_client.xrange(ledger.keys.job(job_id).log)
+                   if f["event"] == "retry_scheduled"]
+        assert len(expired) == 1, job_id
+
+
 def test_commits_wait_for_a_replica_and_a_short_acknowledgement_is_counted(cluster, cluster_settings,
                                                                            cluster_client, caplog):
     from gateway import metrics
@@ -230,7 +263,7 @@ def test_a_push_job_runs_to_the_end_on_two_gateways_supervisors_and_workers(clus
     batches = 30
     data = tmp_path / "data"
     base_settings = cluster_settings.model_copy(update={
-        "outbound_allow": ["127.0.0.1/32"], "data_dir": data,
+        "outbound_allow": ["127.0.0.1/32"], "data_dir": data, "due_shards": 6,  # over the 3 masters
         "supervisor_interval": timedelta(milliseconds=100)})
     stops, sups, pools, bases = [], [], [], []
     try:
@@ -250,7 +283,7 @@ def test_a_push_job_runs_to_the_end_on_two_gateways_supervisors_and_workers(clus
                    "BATCHGATE_QUEUE_REDIS_URL": own.queue_redis_url.get_secret_value(),
                    "BATCHGATE_SIGNING_KEY": own.signing_secret().decode(), "BATCHGATE_PUBLIC_URL": base,
                    "BATCHGATE_OUTBOUND_ALLOW": '["127.0.0.1/32"]', "BATCHGATE_LOG_LEVEL": "WARNING",
-                   "BATCHGATE_DATA_DIR": str(data), "BATCHGATE_SECRETS": "{}"}
+                   "BATCHGATE_DATA_DIR": str(data), "BATCHGATE_SECRETS": "{}", "BATCHGATE_DUE_SHARDS": "6"}
             pools.append(Workers(env, count=1))
         with StandInPlatform(fail_rate=0.1, drop_rate=0.05, duplicate_rate=0.05, seed=3) as platform:
             for pool in pools:

@@ -8,10 +8,22 @@ import threading
 import time
 from collections import Counter
 
+import pytest
+
 from gateway.ledger.embedded import client_for
 from gateway.ledger.jobs import JobRequest
 from gateway.ledger.ledger import Ledger
 from gateway.push.supervisor import Supervisor
+from gateway.settings import Settings
+from tests.conftest import TOKEN
+
+
+@pytest.fixture(params=[1, 4], ids=["one-due-set", "four-due-shards"])
+def settings(request, redis_server, tmp_path):
+    """Every test here runs with the due index as one sorted set and cut into four (BATCHGATE_DUE_SHARDS)."""
+    return Settings(redis_url=redis_server.url, data_dir=tmp_path / "data", tokens={TOKEN: "acme"},
+                    source_roots={"*": [str(tmp_path)]}, due_shards=request.param)
+
 
 #: commands that read one job's keys (the old pass sent several of these per active job)
 PER_JOB_READS = ("hgetall", "hget", "hmget", "zrange", "zscore", "zcard", "xrange", "sismember")
@@ -31,7 +43,7 @@ def _retries(ledger, job_id):
 
 
 def _entry(ledger, job_id):
-    return ledger.r.zscore(ledger.keys.due, job_id)
+    return ledger.r.zscore(ledger.keys.due_for(job_id), job_id)
 
 
 def _calls(r):
@@ -60,7 +72,7 @@ def test_the_entry_follows_leases_heartbeats_and_retirement(ledger, make_job):
     ledger.heartbeat(job_id, lease.seq, lease.lease_token)
     assert _entry(ledger, job_id) == entry  # never later than the truth: early is allowed
     sup = Supervisor(ledger, name="sup", sweep_visits=0)
-    ledger.r.zadd(ledger.keys.due, {job_id: 0})  # pretend it is due: the visit settles it exactly
+    ledger.r.zadd(ledger.keys.due_for(job_id), {job_id: 0})  # pretend it is due: the visit settles it exactly
     sup.tick()
     assert _entry(ledger, job_id) == ledger.r.zscore(ledger.keys.job(job_id).leases, lease.seq)
     ledger.complete(job_id, lease.seq, lease.lease_token, {})
@@ -81,7 +93,7 @@ def test_a_tick_over_many_idle_jobs_reads_none_of_them_and_expires_the_due_lease
     sup.tick()  # the first pass checks every entry once (SSCAN + ZMSCORE pages: no per-job read)
     calls = _during(ledger.r, sup.tick)  # nothing due: no job is read
     assert sum(calls.get(c, 0) for c in PER_JOB_READS) == 0, calls
-    assert calls.get("zrangebyscore") == 1, calls  # the due index, once
+    assert calls.get("zrangebyscore") == ledger.keys.due_shards, calls  # the due index, once (a shard each)
     assert sum(calls.values()) < 20, calls
     time.sleep(max(lease.lease_deadline_ms for lease in held) / 1000 + 0.05 - time.time())
     calls = _during(ledger.r, sup.tick)  # the two leases are past their deadline
@@ -96,7 +108,7 @@ def test_a_lost_due_entry_is_found_by_the_sweep(ledger, make_job):
     job_id, held = _expiring_job(ledger, make_job, lease_s=1.0)
     sup = Supervisor(ledger, name="sup", sweep_visits=0, sweep_s=3600)
     sup.tick()  # the first round of the sweep has run (the leases are not due yet)
-    ledger.r.zrem(ledger.keys.due, job_id)  # a crash between a script and its due write
+    ledger.r.zrem(ledger.keys.due_for(job_id), job_id)  # a crash between a script and its due write
     time.sleep(max(lease.lease_deadline_ms for lease in held) / 1000 + 0.05 - time.time())
     sup.tick()
     assert _retries(ledger, job_id) == {}  # the index drives expiry: a lost entry is not seen...
@@ -106,7 +118,7 @@ def test_a_lost_due_entry_is_found_by_the_sweep(ledger, make_job):
     assert _entry(ledger, job_id) is not None
     # a supervisor that starts checks every entry in its first pass: a lost one is filed at once
     lease = ledger.lease(job_id)
-    ledger.r.zrem(ledger.keys.due, job_id)
+    ledger.r.zrem(ledger.keys.due_for(job_id), job_id)
     time.sleep(lease.lease_deadline_ms / 1000 + 0.05 - time.time())
     Supervisor(ledger, name="sup-new", sweep_visits=0).tick()
     assert _retries(ledger, job_id)[str(lease.seq)] >= 1
@@ -114,7 +126,7 @@ def test_a_lost_due_entry_is_found_by_the_sweep(ledger, make_job):
 
 def test_data_older_than_the_index_is_filed_at_the_first_pass(ledger, make_job):
     jobs_ = [_expiring_job(ledger, make_job)[0] for _ in range(3)]
-    ledger.r.delete(ledger.keys.due)  # a ledger written before the due index existed
+    ledger.r.delete(*ledger.keys.due_keys())  # a ledger written before the due index existed
     time.sleep(0.15)
     Supervisor(ledger, name="sup", sweep_visits=0).tick()
     for job_id in jobs_:
@@ -190,3 +202,24 @@ def test_settling_never_loses_a_deadline_a_script_set_meanwhile(ledger, make_job
     monkeypatch.undo()
     assert leased[0] is not None
     assert _entry(ledger, job_id) == leased[0].lease_deadline_ms  # lowered again after the write
+
+
+def test_jobs_spread_over_the_due_shards_and_a_changed_shard_count_loses_no_deadline(ledger, make_job,
+                                                                                   settings):
+    """With BATCHGATE_DUE_SHARDS the entries spread over the shards (crc32 of the job id); a supervisor
+    started with another count moves the old shards' entries to their new shards at its first pass and
+    expires every lease that fell due meanwhile, once."""
+    made = [_expiring_job(ledger, make_job, lease_s=0.3) for _ in range(12)]
+    used = [key for key in ledger.keys.due_keys() if ledger.r.zcard(key)]
+    assert len(used) == ledger.keys.due_shards  # 12 jobs land in every one of 1 or 4 shards
+    other = Ledger(ledger.r, settings.model_copy(update={"due_shards": 5 if settings.due_shards == 1 else 1}))
+    time.sleep(0.4)  # every lease is past its deadline
+    sup = Supervisor(other, name="resharded", sweep_visits=0)
+    sup.tick()
+    for job_id, _ in made:
+        assert _retries(other, job_id) == {"0": 1, "1": 1}  # expired on time, once
+        assert other.r.zscore(other.keys.due_for(job_id), job_id) is not None  # filed in its new shard
+    assert sorted(k for k in ledger.r.scan_iter(match="bg:due*")) == sorted(
+        k for k in other.keys.due_keys() if other.r.exists(k))  # the old shards are gone
+    sup.tick()
+    assert all(_retries(other, job_id) == {"0": 1, "1": 1} for job_id, _ in made)

@@ -1,9 +1,12 @@
 """The due index: when the supervisor must next look at each active job (docs/design.md, "Supervisor
 and recovery").
 
-``<p>:due`` is one sorted set, job id -> the earliest time (ms) anything of that job falls due for the
-supervisor: its first lease deadline (``leases``), its first approval deadline (``approvals_due``), now
-for a finished job (to retire it), +inf for a job with nothing due (an idle running job, a held one).
+``<p>:due`` is one sorted set (or ``due_shards`` of them, ``<p>:due:{d<n>}``, a job's by crc32 of its id:
+on a Redis Cluster each shard is its own hash tag, so the index's writes, one per lease, spread over
+the masters instead of all going to the one holding a single key), job id -> the earliest time (ms)
+anything of that job falls due for the supervisor: its first lease deadline (``leases``), its first
+approval deadline (``approvals_due``), now for a finished job (to retire it), +inf for a job with
+nothing due (an idle running job, a held one).
 The supervisor reads ``ZRANGEBYSCORE due -inf now LIMIT``: a pass costs what is due, not what exists.
 
 It is a cache of the job's own keys, never the truth, and it spans jobs, so no ledger script writes it
@@ -74,7 +77,7 @@ def probe(pipe: Any, keys: Keys, job_id: str, approvals: bool = True) -> None:
     pipe.execute_command("ZRANGE", k.leases, 0, 0, "WITHSCORES")
     if approvals:
         pipe.execute_command("ZRANGE", k.approvals_due, 0, 0, "WITHSCORES")
-    pipe.zscore(keys.due, job_id)
+    pipe.zscore(keys.due_for(job_id), job_id)
 
 
 def due_from(got: list, now: int) -> float | None:
@@ -121,7 +124,7 @@ class DueIndex:
             due = min(due, float(now))
         entry = got[-1]
         if entry is None or due < float(entry):
-            self.r.zadd(self.keys.due, {job_id: due}, lt=entry is not None)
+            self.r.zadd(self.keys.due_for(job_id), {job_id: due}, lt=entry is not None)
 
     def settle(self, job_ids: Iterable[str]) -> dict[str, float | None]:
         """Set each job's entry to its due time now (the supervisor, after looking at it), safe against
@@ -140,9 +143,9 @@ class DueIndex:
         pipe = self.r.pipeline(transaction=False)
         for job_id, due in first.items():
             if due is None:
-                pipe.zrem(self.keys.due, job_id)
+                pipe.zrem(self.keys.due_for(job_id), job_id)
             else:
-                pipe.zadd(self.keys.due, {job_id: due})
+                pipe.zadd(self.keys.due_for(job_id), {job_id: due})
             probe(pipe, self.keys, job_id)
         got = pipe.execute()
         step = PROBE_LEN + 1
@@ -153,19 +156,65 @@ class DueIndex:
             if again is not None and (was is None or again < was):
                 lower[job_id] = again
         if lower:
-            self.r.zadd(self.keys.due, lower, lt=True)
+            pipe = self.r.pipeline(transaction=False)
+            for key, group in self._by_shard(lower).items():
+                pipe.zadd(key, {job_id: lower[job_id] for job_id in group}, lt=True)
+            pipe.execute()
         return {**first, **lower}
 
     def due(self, now: int, count: int) -> list[str]:
-        """Up to ``count`` job ids due at ``now``, earliest first."""
-        return self.r.zrangebyscore(self.keys.due, "-inf", now, start=0, num=count)
+        """Up to ``count`` job ids due at ``now``, earliest first (over every shard: one round trip). An
+        entry found in a shard that no longer holds its job (``due_shards`` changed) is moved: dropped
+        there and answered, so the supervisor's visit settles it in its own shard."""
+        keys = self.keys.due_keys()
+        if len(keys) == 1:
+            return self.r.zrangebyscore(keys[0], "-inf", now, start=0, num=count)
+        pipe = self.r.pipeline(transaction=False)
+        for key in keys:
+            pipe.zrangebyscore(key, "-inf", now, start=0, num=count, withscores=True)
+        found = [(score, job_id, key) for key, got in zip(keys, pipe.execute(), strict=True)
+                 for job_id, score in got]
+        found.sort()
+        moved = [(key, job_id) for _, job_id, key in found[:count] if self.keys.due_for(job_id) != key]
+        if moved:
+            pipe = self.r.pipeline(transaction=False)
+            for key, job_id in moved:
+                pipe.zrem(key, job_id)
+            pipe.execute()
+        return [job_id for _, job_id, _ in found[:count]]
 
     def missing(self, job_ids: list[str]) -> list[str]:
         """Those of ``job_ids`` without an entry (lost: the sweep settles them)."""
         if not job_ids:
             return []
-        scores = self.r.zmscore(self.keys.due, job_ids)
-        return [j for j, s in zip(job_ids, scores, strict=True) if s is None]
+        groups = self._by_shard(job_ids)
+        pipe = self.r.pipeline(transaction=False)
+        for key, group in groups.items():
+            pipe.zmscore(key, group)
+        scores = dict(zip((j for group in groups.values() for j in group),
+                          (s for got in pipe.execute() for s in got), strict=True))
+        return [j for j in job_ids if scores[j] is None]
 
     def drop(self, pipe: Any, job_id: str) -> None:
-        pipe.zrem(self.keys.due, job_id)
+        pipe.zrem(self.keys.due_for(job_id), job_id)
+
+    def adopt_strays(self) -> int:
+        """Move the entries of due sets that are not shards of this index any more (``due_shards`` was
+        changed) into their jobs' shards, and delete those sets; returns the entries moved. Run once
+        at a supervisor's start (SCAN over the prefix's ``due`` keys: every node of a cluster)."""
+        ours = set(self.keys.due_keys())
+        moved = 0
+        for key in self.r.scan_iter(match=f"{self.keys.prefix}:due*", count=1000, _type="zset"):
+            if key in ours:
+                continue
+            for job_id, score in self.r.zscan_iter(key):
+                self.r.zadd(self.keys.due_for(job_id), {job_id: score}, lt=True)  # adds, or lowers
+                moved += 1
+            self.r.delete(key)
+        return moved
+
+    def _by_shard(self, job_ids: Iterable[str]) -> dict[str, list[str]]:
+        groups: dict[str, list[str]] = {}
+        for job_id in job_ids:
+            groups.setdefault(self.keys.due_for(job_id), []).append(job_id)
+        return groups

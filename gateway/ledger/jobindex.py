@@ -195,7 +195,7 @@ class JobIndex:
             if wait is not None:  # blocks .evalsha; WAIT follows the script on its connection
                 pipe.execute_command("WAIT", *wait, **self._node_of(k.job))
             if hint is not None:
-                pipe.zadd(self.keys.due, {job_id: hint}, lt=True)
+                pipe.zadd(self.keys.due_for(job_id), {job_id: hint}, lt=True)
             if not fast:
                 self._probe(pipe, tenant, job_id, gated)
             try:

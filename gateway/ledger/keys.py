@@ -42,11 +42,11 @@ Per job (owner: the ledger scripts; expiry: retention, see ``Ledger.apply_retent
                                        ``r:<first seq>`` = JSON ``{first, last, gen, cursor, end_cursor,
                                        batches, items, superseded}``, ``rlast`` (compact.lua,
                                        push/sinks.py); only jobs with a sink
-``<p>:{<job>}:past``           string  a job at rest, folded (archive.py, archive.lua): zlib JSON of its spec and
-                                       its log, audit and (once every subscriber had them) events entries;
-                                       the spec hash and those streams are gone then. Readers take the
-                                       spec from it when the hash is absent, and its entries before the
-                                       streams' (new ones, after a resume or migration)
+``<p>:{<job>}:past``           string  a job at rest, folded (archive.py, archive.lua): zlib JSON of its
+                                       spec and its log, audit and (once every subscriber had them)
+                                       events entries; the spec hash and those streams are gone then.
+                                       Readers take the spec from it when the hash is absent, and its
+                                       entries before the streams' (new ones, after a resume)
 ``<p>:{<job>}:sinkclaim``      string  the one deliverer of the job's sink now (SET NX PX, push/sinks.py)
 =============================  ======  =====================================================
 
@@ -55,6 +55,9 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
 ===================================  ======  ===============================================
 ``<p>:flow:<tenant>:<id>:<version>``  hash    a registered flow version (definition, hash)
 ``<p>:flows:<tenant>``                zset    ``<id>:<version>`` by registration time
+``<p>:due``, ``<p>:due:{d<n>}``      zset    the supervisor's due index (due.py): job id -> when it must
+                                              next be looked at; one set, or BATCHGATE_DUE_SHARDS sets
+                                              (a job's by crc32 of its id), each its own hash tag
 ``<p>:jobs:<tenant>``                 zset    job ids by creation time (ms): the tenant's roster
                                               (create_job; quotas.py; the job index rebuilds from it)
 ``<p>:jobidx:{<tenant>}:all``         zset    the job index (jobindex.py): members
@@ -128,6 +131,7 @@ rest of the key.
 from __future__ import annotations
 
 import hashlib
+import zlib
 from dataclasses import dataclass
 
 
@@ -237,9 +241,10 @@ class JobKeys:
 
 @dataclass(frozen=True)
 class Keys:
-    """Key builder for one prefix."""
+    """Key builder for one prefix; ``due_shards``: how many sorted sets the due index is cut into."""
 
     prefix: str
+    due_shards: int = 1
 
     def job(self, job_id: str) -> JobKeys:
         return JobKeys(self.prefix, job_id)
@@ -295,7 +300,22 @@ class Keys:
 
     @property
     def due(self) -> str:
+        """The due index when it is one sorted set (``due_shards`` 1, the default)."""
         return f"{self.prefix}:due"
+
+    def due_shard(self, shard: int) -> str:
+        """Shard ``shard`` of the due index: ``<p>:due`` when there is one, else ``<p>:due:{d<shard>}``
+        (each its own hash tag, so a cluster spreads them over its slots and masters)."""
+        return self.due if self.due_shards == 1 else f"{self.prefix}:due:{{d{shard}}}"
+
+    def due_for(self, job_id: str) -> str:
+        """The due index shard that holds ``job_id``'s entry (crc32 of the id, mod ``due_shards``)."""
+        if self.due_shards == 1:
+            return self.due
+        return self.due_shard(zlib.crc32(job_id.encode()) % self.due_shards)
+
+    def due_keys(self) -> list[str]:
+        return [self.due_shard(i) for i in range(self.due_shards)]
 
     @property
     def creating(self) -> str:

@@ -117,7 +117,7 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         self.r = client
         self.settings = settings
-        self.keys = Keys(settings.key_prefix)
+        self.keys = Keys(settings.key_prefix, settings.due_shards)
         self.index = JobIndex(client, self.keys, self.spec)  # follows every job script's status change
         #: a Redis Cluster: a tenant's keys live in other slots than a job's, so no script takes both
         self.cluster = isinstance(client, redis.RedisCluster)
@@ -259,7 +259,7 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         pipe.sadd(self.keys.active, spec.job_id)
         if spec.sink:  # results.py: the sink deliverer follows it
             pipe.sadd(self.keys.sink_jobs, spec.job_id)
-        pipe.zadd(self.keys.due, {spec.job_id: float("inf")})  # watched; nothing due until a lease
+        pipe.zadd(self.keys.due_for(spec.job_id), {spec.job_id: float("inf")})  # watched; nothing due until a lease
         pipe.execute()
         self.creations.end(spec.job_id)
         log.info("job created job_id=%s flow=%s@%s", spec.job_id, spec.flow.id, spec.flow.version)
@@ -764,7 +764,7 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         pipe = self.r.pipeline(transaction=False)
         pipe.sadd(self.keys.active, job_id)
         pipe.sadd(self.keys.sink_jobs, job_id)  # a job without a sink is dropped by the deliverer
-        pipe.zadd(self.keys.due, {job_id: int(time.time() * 1000)}, lt=True)  # look at it next pass
+        pipe.zadd(self.keys.due_for(job_id), {job_id: int(time.time() * 1000)}, lt=True)  # look at it next pass
         pipe.execute()
 
 

@@ -91,7 +91,7 @@ def migrate(ledger: Ledger, spec: JobSpec, flow: FlowSpec, flow_hash: str, actor
     try:  # the job index files it under its new flow version (jobindex.py)
         ledger.index.check(spec.job_id)
         # the supervisor looks at it next pass (new approval stages, say): due.py
-        ledger.r.zadd(ledger.keys.due, {spec.job_id: int(time.time() * 1000)}, lt=True)
+        ledger.r.zadd(ledger.keys.due_for(spec.job_id), {spec.job_id: int(time.time() * 1000)}, lt=True)
     except Exception:  # noqa: BLE001 - migrated already; the supervisor's pass files it
         log.warning("job index: refiling after a migration failed job_id=%s", spec.job_id, exc_info=True)
     log.info("flow migrated job_id=%s %s@%s -> %s@%s actor=%s", spec.job_id, spec.flow.id,

@@ -226,6 +226,10 @@ class Supervisor:
         pass (ZMSCORE: no per-job read), a round at most every ``sweep_s``; the first round after
         start runs whole (an upgrade from data written before the index files every job at once)."""
         r, keys = self.ledger.r, self.ledger.keys
+        if self._first_round and self._check_cursor == 0:
+            moved = self.due.adopt_strays()  # BATCHGATE_DUE_SHARDS changed: entries of old shards
+            if moved:
+                log.warning("supervisor: moved %d entries of old due index shards to their shards", moved)
         if self._check_cursor == 0:
             if time.monotonic() < self._check_next:
                 return
