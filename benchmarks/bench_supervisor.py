@@ -3,6 +3,7 @@ against the old pass that looked at every active job (``Supervisor.tick_all``), 
 
     .venv/bin/python benchmarks/bench_supervisor.py                 # 100 and 100,000 jobs, old pass too
     .venv/bin/python benchmarks/bench_supervisor.py --sizes 100,20000 --no-old
+    .venv/bin/python benchmarks/bench_supervisor.py --no-old --due-shards 4   # the due index in 4 sets
 
 Idle jobs are cloned from one real job with a pipeline of records (as bench_list.py does): spec, record,
 roster, job index, active set and due entry. At each size a pass is also timed with 10 due jobs (one
@@ -18,10 +19,11 @@ import time
 
 from _common import ledger_on_private_redis
 
-from gateway.ledger.records import seal
-from gateway.ledger.flows import parse_flow
+from gateway.ledger.flows import FlowRegistry, parse_flow
 from gateway.ledger.jobindex import Filed
 from gateway.ledger.jobs import JobRequest, JobService
+from gateway.ledger.ledger import Ledger
+from gateway.ledger.records import seal
 from gateway.push.supervisor import Supervisor
 
 TENANT = "bench"
@@ -53,7 +55,7 @@ def clone(service: JobService, template: str, n: int) -> None:
             pipe.zadd(ledger.keys.jobs(TENANT), {job_id: now})
             ledger.index.file(pipe, TENANT, job_id, Filed("running", spec.flow.id, spec.flow.version, now))
             pipe.sadd(ledger.keys.active, job_id)
-            pipe.zadd(ledger.keys.due, {job_id: float("inf")})
+            pipe.zadd(ledger.keys.due_for(job_id), {job_id: float("inf")})
         pipe.execute()
 
 
@@ -89,10 +91,14 @@ def main() -> None:
     ap.add_argument("--sizes", default="100,100000")
     ap.add_argument("--no-old", action="store_true", help="skip the old every-job pass")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--due-shards", type=int, default=1, help="BATCHGATE_DUE_SHARDS")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
     with ledger_on_private_redis() as (ledger, service):
+        if args.due_shards != 1:
+            ledger = Ledger(ledger.r, ledger.settings.model_copy(update={"due_shards": args.due_shards}))
+            service = JobService(ledger, FlowRegistry(ledger.r, ledger.keys))
         ledger.spec_cache = 1024  # the default: 100,000 specs do not fit, as in production
         register(service)
         template = service.create(TENANT, JobRequest(flow_id="idle"))["job_id"]
