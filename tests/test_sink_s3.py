@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from gateway.ledger.results import check_sink_s3
 from gateway.push.sinks import SinkDeliverer
 from gateway.settings import Settings
 from tests.conftest import TOKEN, drain
-from tests.test_sinks import new_job, output
+from tests.test_sinks import KILLED_AFTER, new_job, output
 
 boto3 = pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
@@ -179,37 +178,13 @@ def test_a_bucket_down_hung_or_refusing_keeps_the_records_and_shows_the_error(le
     assert SECRET not in caplog.text and SECRET not in json.dumps(jobs.view("acme", job_id))
 
 
-KILLED_PUT = textwrap.dedent("""
-    import os, signal, sys
-    sys.path.insert(0, {root!r})
-    from gateway.ledger.embedded import client_for
-    from gateway.ledger.ledger import Ledger
-    from gateway.push import sinks
-    from gateway.settings import Settings
-
-    settings = Settings.model_validate_json({settings!r})
-    ledger = Ledger(client_for(settings.redis_url.get_secret_value()), settings)
-    real_put = sinks.SinkDeliverer._put
-    calls = [0]
-
-    def put(self, spec, first, records):
-        real_put(self, spec, first, records)
-        calls[0] += 1
-        if calls[0] == 2:  # the bucket took the second chunk; killed before the cursor moved
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    sinks.SinkDeliverer._put = put
-    sinks.SinkDeliverer(ledger).run_once()
-""")
-
-
 def test_sigkill_after_a_put_replaces_the_object_and_duplicates_no_batch(ledger, jobs, registry, settings,
                                                                          s3):
     _, client, _ = s3
     job_id = new_job(jobs, registry, {"type": "s3", "bucket": "results", "prefix": "acme/"})
     drain(ledger, job_id, output)
     dumped = settings.model_dump(mode="json") | {"redis_url": settings.redis_url.get_secret_value()}
-    script = KILLED_PUT.format(root=str(ROOT), settings=json.dumps(dumped))
+    script = KILLED_AFTER.format(root=str(ROOT), settings=json.dumps(dumped), method="_put")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     assert jobs.view("acme", job_id)["sink"]["delivered_below_seq"] == 4  # the first chunk recorded only

@@ -420,7 +420,7 @@ def test_the_supervisor_delivers_while_it_runs(ledger, jobs, registry, tmp_path,
     assert not thread.is_alive()
 
 
-KILLED_POST = textwrap.dedent("""
+KILLED_AFTER = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {root!r})
     from gateway.ledger.embedded import client_for
@@ -430,18 +430,19 @@ KILLED_POST = textwrap.dedent("""
 
     settings = Settings.model_validate_json({settings!r})
     ledger = Ledger(client_for(settings.redis_url.get_secret_value()), settings)
-    real_post = sinks.SinkDeliverer._post
+    real = getattr(sinks.SinkDeliverer, {method!r})
     calls = [0]
 
-    def post(self, spec, records):
-        real_post(self, spec, records)
+    def wrapped(self, *args):
+        real(self, *args)
         calls[0] += 1
-        if calls[0] == 2:  # the receiver took the second chunk; killed before the cursor moved
+        if calls[0] == 2:  # the sink took the second chunk; killed before the cursor moved
             os.kill(os.getpid(), signal.SIGKILL)
 
-    sinks.SinkDeliverer._post = post
+    setattr(sinks.SinkDeliverer, {method!r}, wrapped)
     sinks.SinkDeliverer(ledger).run_once()
 """)
+
 
 
 def test_sigkill_after_an_http_post_resends_the_chunk_with_the_same_ids(ledger, jobs, registry, settings):
@@ -450,7 +451,7 @@ def test_sigkill_after_an_http_post_resends_the_chunk_with_the_same_ids(ledger, 
         job_id = new_job(jobs, registry, {"type": "http", "url": url})
         drain(ledger, job_id, output)
         dumped = settings.model_dump(mode="json") | {"redis_url": settings.redis_url.get_secret_value()}
-        script = KILLED_POST.format(root=str(ROOT), settings=json.dumps(dumped))
+        script = KILLED_AFTER.format(root=str(ROOT), settings=json.dumps(dumped), method="_post")
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
         assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
         assert jobs.view("acme", job_id)["sink"]["delivered_below_seq"] == 4  # the first chunk only
