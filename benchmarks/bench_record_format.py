@@ -41,7 +41,11 @@ for _, key in ipairs(KEYS) do
   local t1 = t()
   for _ = 1, N do local _m = map_of(key) end
   local t2 = t()
-  for _ = 1, N do local s = redis.call('GET', key .. ':json'); local _h = redis.sha1hex(s); local _m = cjson.decode(s) end
+  for _ = 1, N do
+    local s = redis.call('GET', key .. ':json')
+    local _h = redis.sha1hex(s)
+    local _m = cjson.decode(s)
+  end
   local t3 = t()
   local m = map_of(key)
   for _ = 1, N do
@@ -50,7 +54,11 @@ for _, key in ipairs(KEYS) do
     redis.call('HSET', key .. ':copy', unpack(args))
   end
   local t4 = t()
-  for _ = 1, N do local s = cjson.encode(m); local _h = redis.sha1hex(s); redis.call('SET', key .. ':w', s) end
+  for _ = 1, N do
+    local s = cjson.encode(m)
+    local _h = redis.sha1hex(s)
+    redis.call('SET', key .. ':w', s)
+  end
   local t5 = t()
   out[#out + 1] = {tostring((t1 - t0) / N), tostring((t2 - t1) / N), tostring((t3 - t2) / N),
                    tostring((t4 - t3) / N), tostring((t5 - t4) / N)}
