@@ -294,3 +294,38 @@ def test_cancelling_a_failed_job_the_supervisor_retired_is_still_delivered(hooks
     run_until(deliverer, lambda: len(receiver.got) == 2)
     receiver.close()
     assert [body["type"] for _, body in receiver.got] == ["job.failed", "job.cancelled"]
+
+
+def test_a_folded_jobs_outbox_folds_once_every_subscriber_has_had_its_events(hooks, registry):
+    """A job at rest whose results are delivered folds into its past (archive.py), but its event outbox
+    stays a stream while a subscriber has not had its events (the receiver is down); once delivered,
+    the deliverer folds the outbox too, and nothing was delivered twice or lost."""
+    from gateway.ledger import archive
+    from gateway.ledger.jobs import JobService
+    from gateway.push.sinks import SinkDeliverer
+    from gateway.push.supervisor import Supervisor
+    from tests.test_sinks import new_job, output
+
+    ledger, api = hooks
+    ledger = Ledger(ledger.r, ledger.settings.model_copy(update={"sink_grace": timedelta(0)}))
+    port = free_port()  # nothing listens yet
+    sub = subscribe(api, f"http://127.0.0.1:{port}/hook")
+    job_id = new_job(JobService(ledger, registry), registry, {"type": "discard"}, items=6)
+    drain(ledger, job_id, output)
+    Supervisor(ledger, name="sup", sweep_visits=0).tick()  # retires it: its events are pending
+    deliverer = Deliverer(ledger, retry=FAST)
+    deliverer.tick()  # refused: the subscriber has not had job.succeeded
+    SinkDeliverer(ledger).run_once()
+    k = ledger.keys.job(job_id)
+    assert ledger.r.exists(k.past) and not ledger.r.exists(k.audit)  # folded...
+    assert ledger.r.xlen(k.events) == 1  # ...but not the outbox the deliverer still reads
+    receiver = Receiver(port=port)
+    receiver.secret = sub["secret"]
+    try:
+        run_until(deliverer, lambda: not ledger.r.exists(k.events))
+    finally:
+        receiver.close()
+    assert [body["type"] for _, body in receiver.got] == ["job.succeeded"]
+    assert [f["type"] for _, f in archive.past(ledger.r, k)["events"]] == ["job.succeeded"]
+    deliverer.tick()
+    assert len(receiver.got) == 1

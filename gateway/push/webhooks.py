@@ -38,6 +38,7 @@ import requests
 
 from gateway import metrics
 from gateway.errors import BatchgateError
+from gateway.ledger import archive
 from gateway.ledger.decisions import links_for
 from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.events import SubscriptionStore, entry_ms, event_id
@@ -131,6 +132,17 @@ class Deliverer:
                 done = True
             if done and job_id not in active:
                 self.r.srem(self.keys.events_pending, job_id)
+                self._fold_outbox(job_id)
+
+    def _fold_outbox(self, job_id: str) -> None:
+        """A job at rest folded while a subscriber had not had its events yet kept its outbox as a
+        stream (archive.py); once every subscription has had them, it folds too."""
+        k = self.keys.job(job_id)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.exists(k.past)
+        pipe.exists(k.events)
+        if all(pipe.execute()):
+            archive.fold(self.ledger, job_id, self.ledger.settings.log_at_rest)
 
     def _job(self, job_id: str, subs: dict[str, list[dict[str, str]]]) -> bool:
         """Feed the job's events to its tenant's subscriptions; True when every one is handled."""
