@@ -209,9 +209,12 @@ class Client:
 
     # jobs
     def create_job(self, flow_id: str, flow_version: str | None = None, params: dict[str, Any] | None = None,
-                   source: dict[str, Any] | None = None, idempotency_key: str | None = None) -> Job:
+                   source: dict[str, Any] | None = None, idempotency_key: str | None = None,
+                   sink: dict[str, Any] | None = None) -> Job:
+        """Start a job; ``sink`` (README "Result sinks") overrides the flow's result sink."""
         body: dict[str, Any] = {"flow_id": flow_id}
-        for key, value in (("flow_version", flow_version), ("params", params), ("source", source)):
+        for key, value in (("flow_version", flow_version), ("params", params), ("source", source),
+                           ("sink", sink)):
             if value is not None:
                 body[key] = value
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None

@@ -102,6 +102,12 @@ def test_create_with_params_and_source_from_files_then_watch_to_the_end(cli, api
                "--source", '{"type": "inline", "items": [1, 2, 3]}', "--idempotency-key", "k1")[1].strip() == job_id
     code, _, err = cli("jobs", "create", "--flow", "c", "--params", "{not json")
     assert code == 2 and "--params" in err and "Traceback" not in err
+    # a job's own result sink; one the tenant may not write is the API's 422, said plainly
+    code, out, err = cli("jobs", "create", "--flow", "c", "--sink", '{"type": "discard"}')
+    assert code == 0, err
+    assert api.get(f"/v1/jobs/{out.strip()}").json()["sink"]["type"] == "discard"
+    code, _, err = cli("jobs", "create", "--flow", "c", "--sink", '{"type": "s3", "bucket": "results"}')
+    assert code != 0 and "BATCHGATE_SINK_S3_BUCKETS" in err and "Traceback" not in err
     while (r := api.post(f"/v1/jobs/{job_id}/lease")).status_code == 200:
         api.post(f"/v1/jobs/{job_id}/batches/{r.json()['seq']}/complete",
                  json={"lease_token": r.json()["lease_token"], "output": {}})

@@ -150,14 +150,17 @@ def jobs() -> None:
 @click.option("--flow", "flow", required=True, metavar="ID[@VERSION]", help="the flow (latest version if none)")
 @click.option("--source", default=None, metavar="JSON|@FILE", help="the job's source (else the flow's)")
 @click.option("--params", default=None, metavar="JSON|@FILE", help="params every stage receives")
+@click.option("--sink", default=None, metavar="JSON|@FILE",
+              help='where committed outputs go, else the flow\'s: {"type": "s3", "bucket": ..., '
+              '"prefix": ...}, jsonl/csv with a path, http with a url, discard')
 @click.option("--idempotency-key", default=None, help="the same key and body again returns the same job")
 @click.option("--watch", is_flag=True, help="then show progress until the job ends (exit 1 unless it succeeds)")
-def jobs_create(client: Client, flow: str, source: str | None, params: str | None,
+def jobs_create(client: Client, flow: str, source: str | None, params: str | None, sink: str | None,
                 idempotency_key: str | None, watch: bool) -> int:
     """Start a job; prints its id (and, with --watch, its progress)."""
     flow_id, version = flow_ref(flow)
     job = client.create_job(flow_id, version, json_or_file(params, "--params"),
-                            json_or_file(source, "--source"), idempotency_key)
+                            json_or_file(source, "--source"), idempotency_key, json_or_file(sink, "--sink"))
     click.echo(job["job_id"])
     if not watch:
         return 0
