@@ -216,8 +216,6 @@ class Settings(BaseSettings):
     @classmethod
     def _buckets(cls, value: object) -> object:
         """A plain list of buckets is shared by every tenant."""
-        if isinstance(value, str):
-            value = json.loads(value) if value.strip().startswith(("[", "{")) else [value]
         if isinstance(value, (list, tuple)):
             value = {"*": list(value)}
         if isinstance(value, dict):

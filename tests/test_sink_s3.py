@@ -25,18 +25,13 @@ from gateway.push.sinks import SinkDeliverer
 from gateway.settings import Settings
 from tests.conftest import TOKEN, drain
 from tests.test_sinks import KILLED_AFTER, new_job, output
+from tests.test_webhooks import free_port
 
 boto3 = pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "s3-secret-never-logged-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -25,10 +25,10 @@ from typing import Any
 
 import redis
 
-from gateway.ledger.events import SubscriptionStore
+from gateway.ledger.due import TERMINAL
+from gateway.ledger.events import SubscriptionStore, entry_key
 from gateway.ledger.keys import JobKeys
 
-AT_REST = ("succeeded", "failed", "cancelled")
 STREAMS = ("log", "audit", "events")
 Entry = tuple[str, dict[str, str]]
 
@@ -67,20 +67,15 @@ def spec_fields(r: redis.Redis, k: JobKeys, fields: dict[str, str] | None = None
     return dict(folded["spec"]) if folded and folded.get("spec") else {}
 
 
-def _id(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
 def _in_range(entry_id: str, start: str, end: str) -> bool:
     """XRANGE's range rules for ids: '-' and '+' open, '(' exclusive, else inclusive."""
-    key = _id(entry_id)
+    key = entry_key(entry_id)
     if start != "-":
-        low = _id(start.lstrip("("))
+        low = entry_key(start.lstrip("("))
         if key < low or (start.startswith("(") and key == low):
             return False
     if end != "+":
-        high = _id(end.lstrip("("))
+        high = entry_key(end.lstrip("("))
         if key > high or (end.startswith("(") and key == high):
             return False
     return True
@@ -105,7 +100,7 @@ def entries(r: redis.Redis, k: JobKeys, kind: str, start: str = "-", end: str = 
     low, high = (end, start) if reverse else (start, end)
     old = [(i, f) for i, f in folded.get(kind, []) if _in_range(i, low, high)]
     newest = {i for i, _ in live}
-    merged = sorted([*(e for e in old if e[0] not in newest), *live], key=lambda e: _id(e[0]),
+    merged = sorted([*(e for e in old if e[0] not in newest), *live], key=lambda e: entry_key(e[0]),
                     reverse=reverse)
     return merged[:count] if count is not None else merged
 
@@ -132,7 +127,7 @@ def _events_heard(ledger: Any, job_id: str, last: str | None) -> bool:
     pipe = ledger.r.pipeline(transaction=False)
     for sub in subs:
         pipe.hget(ledger.keys.sub_cursor(sub["id"]), job_id)
-    return all(cursor and _id(cursor) >= _id(last) for cursor in pipe.execute())
+    return all(cursor and entry_key(cursor) >= entry_key(last) for cursor in pipe.execute())
 
 
 def fold(ledger: Any, job_id: str, log_kept: int) -> list[str]:
@@ -147,13 +142,13 @@ def fold(ledger: Any, job_id: str, log_kept: int) -> list[str]:
         pipe.xrange(getattr(k, kind))
     pipe.get(k.past)
     (status, checksum), spec, log, audit, events, raw = pipe.execute()
-    if status not in AT_REST:
+    if status not in TERMINAL:
         return ["live", status or "missing"]
     with_events = _events_heard(ledger, job_id, events[-1][0] if events else None)
     old = decode(raw) or {}
     content = {"v": 1, "spec": spec or old.get("spec") or {}}
     for kind, got in zip(STREAMS, (log, audit, events), strict=True):
-        kept = [(i, f) for i, f in old.get(kind, [])]
+        kept = list(old.get(kind, []))
         if kind != "events" or with_events:
             seen = {i for i, _ in kept}
             kept += [(i, f) for i, f in got if i not in seen]

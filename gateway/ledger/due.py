@@ -167,8 +167,6 @@ class DueIndex:
         entry found in a shard that no longer holds its job (``due_shards`` changed) is moved: dropped
         there and answered, so the supervisor's visit settles it in its own shard."""
         keys = self.keys.due_keys()
-        if len(keys) == 1:
-            return self.r.zrangebyscore(keys[0], "-inf", now, start=0, num=count)
         pipe = self.r.pipeline(transaction=False)
         for key in keys:
             pipe.zrangebyscore(key, "-inf", now, start=0, num=count, withscores=True)

@@ -51,6 +51,12 @@ def event_id(job_id: str, entry_id: str) -> str:
     return f"{job_id}:{entry_id}"
 
 
+def entry_key(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as (ms, sequence), for comparing ids in the order Redis gives them."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def entry_ms(entry_id: str) -> int:
     """When an outbox entry was appended (the ms part of its stream id)."""
     return int(entry_id.split("-", 1)[0])

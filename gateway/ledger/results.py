@@ -153,10 +153,9 @@ def check_sink_s3(sink: dict[str, Any] | None, settings: Settings | None, tenant
     if not allowed:
         raise InvalidRequest(f"s3 sinks are off: set BATCHGATE_SINK_S3_BUCKETS to the buckets s3 sinks may "
                              f"write (none for tenant {tenant})")
-    key = s3_object_key(sink, "", 0)[:-len("000000000000.jsonl")]  # the sink's prefix
     for grant in allowed:
         bucket, _, prefix = grant.partition("/")
-        if bucket == sink["bucket"] and key.startswith(prefix):
+        if bucket == sink["bucket"] and sink.get("prefix", "").startswith(prefix):
             return
     raise InvalidRequest(f"sink: bucket {sink['bucket']!r} with prefix {sink.get('prefix', '')!r} is not one "
                          f"tenant {tenant} may write (BATCHGATE_SINK_S3_BUCKETS)")

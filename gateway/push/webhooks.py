@@ -41,7 +41,7 @@ from gateway.errors import BatchgateError
 from gateway.ledger import archive
 from gateway.ledger.decisions import links_for
 from gateway.ledger.embedded import REDIS_DOWN
-from gateway.ledger.events import SubscriptionStore, entry_ms, event_id
+from gateway.ledger.events import SubscriptionStore, entry_key, entry_ms, event_id
 from gateway.ledger.ledger import Ledger
 from gateway.net.outbound import session_for
 
@@ -80,11 +80,6 @@ class RetryPolicy:
     def delay_ms(self, attempt: int) -> int:
         delay = self.initial_interval.total_seconds() * self.backoff_coefficient ** (attempt - 1)
         return int(min(delay, self.maximum_interval.total_seconds()) * 1000)
-
-
-def _entry_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 class Deliverer:
@@ -162,7 +157,7 @@ class Deliverer:
         cursor = self.r.hget(cursor_key, job_id)
         wanted = set(sub["events"].split(","))
         for entry_id, fields in entries:
-            if cursor and _entry_key(entry_id) <= _entry_key(cursor):
+            if cursor and entry_key(entry_id) <= entry_key(cursor):
                 continue
             relevant = fields.get("type") in wanted and entry_ms(entry_id) >= int(sub["created_ms"])
             if relevant and not self._deliver(sub, job_id, entry_id, fields):

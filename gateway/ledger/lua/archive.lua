@@ -11,8 +11,8 @@
 -- Invariant: a stream entry or spec field leaves its key only in the step that writes the value that
 -- holds it, and only if the key holds exactly what the caller read (its last entry id: the streams are
 -- append-only and only this script and rest.lua's trim of the log remove entries; the spec's checksum).
--- The past keeps the job's TTL (retention), so it expires with the job's other keys.
-if redis.call('GET', KEYS[6]) == ARGV[7] then return {'ok'} end  -- a repeat of a call that took effect
+-- The past keeps the job's TTL (retention), so it expires with the job's other keys. A repeat of a call
+-- that took effect gets its first answer from the call journal (scripts.observed_source).
 local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'succeeded' and status ~= 'failed' and status ~= 'cancelled' then
   return {'live', status or 'missing'}
