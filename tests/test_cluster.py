@@ -413,3 +413,72 @@ def test_a_master_killed_during_commits_fails_over_and_the_job_finishes(tmp_path
             assert twice
     finally:
         cluster.stop()
+
+
+def test_a_slot_with_no_master_is_an_outage_the_api_and_supervisor_wait_out(tmp_path, redis_server, caplog):
+    """A master with no replica killed: the cluster answers CLUSTERDOWN for every key (the nodes agree
+    its slots are uncovered). That is a ResponseError to redis-py, yet nothing ran: the API answers a 503
+    problem with Retry-After (never a 500, never a 400), the supervisor logs that it waits rather than a
+    traceback; the master back, both go on and the job finishes."""
+    import logging
+    import threading
+    import time
+    from datetime import timedelta
+
+    from gateway.api.app import create_app
+    from gateway.ledger.ledger import Ledger
+    from gateway.push.supervisor import Supervisor
+    from tests.http import ApiClient, serve_app
+
+    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=0).start()
+    sup = stop_api = None
+    try:
+        settings = Settings(redis_url=cluster.url, queue_redis_url=redis_server.url,
+                            data_dir=tmp_path / "data", redis_read_timeout=2, redis_connect_timeout=1, due_shards=3,
+                            supervisor_interval=timedelta(milliseconds=100), tokens={TOKEN: "acme"})
+        client = client_for(cluster.url, settings)
+        base, stop_api = serve_app(create_app(settings, client))
+        api = ApiClient(base, TOKEN)
+        flow = {"id": "f", "version": "1", "stages": [{"name": "s", "lease": 30}],
+                "batching": {"max_items": 1}, "source": {"type": "sequence", "count": 2}}
+        assert api.post("/v1/flows", json=flow).status_code == 201
+        job_id = api.post("/v1/jobs", json={"flow_id": "f"}).json()["job_id"]
+        ledger = Ledger(client, settings)
+        sup = Supervisor(ledger, name="clusterdown")
+        caplog.set_level(logging.WARNING)
+        threading.Thread(target=sup.run, daemon=True).start()
+        deadline = time.monotonic() + 30
+        while sup._first_round:  # recovery decided and the first sweep done: it is ticking
+            assert time.monotonic() < deadline, "the supervisor did not start ticking"
+            time.sleep(0.1)
+        killed = client.get_node_from_key(ledger.keys.job(job_id).job).port
+        cluster.kill(killed)
+        survivor = cluster.node(next(p for p in cluster.ports if p != killed))
+        deadline = time.monotonic() + 30
+        while survivor.cluster("info")["cluster_state"] != "fail":
+            assert time.monotonic() < deadline, "the cluster never agreed the slots were uncovered"
+            time.sleep(0.2)
+        resp = api.get(f"/v1/jobs/{job_id}")
+        assert resp.status_code == 503, resp.text
+        assert resp.headers["Content-Type"] == "application/problem+json" and "Retry-After" in resp.headers
+        time.sleep(1.0)  # several supervisor passes over the down cluster (due shards on every master)
+        cluster.restart(killed)
+        deadline = time.monotonic() + 30
+        while (resp := api.get(f"/v1/jobs/{job_id}")).status_code != 200:
+            assert time.monotonic() < deadline, resp.text
+            time.sleep(0.2)
+        for _ in range(2):
+            lease = ledger.lease(job_id)
+            ledger.complete(job_id, lease.seq, lease.lease_token, {"seq": lease.seq})
+        assert api.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded"
+        time.sleep(0.5)  # the supervisor's next pass: it says it is back
+    finally:
+        if sup is not None:
+            sup.stop.set()
+        if stop_api is not None:
+            stop_api()
+        cluster.stop()
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("gateway")]
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], said
+    assert any(m.startswith("supervisor: ledger redis unavailable") and "during tick" in m for m in said), said
+    assert any("supervisor: ledger redis reachable again" in m for m in said), said

@@ -25,6 +25,7 @@ from gateway.errors import (
     RetryableError,
     Unauthorized,
 )
+from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.flows import FlowRegistry
 from gateway.ledger.jobs import JobService
 from gateway.ledger.ledger import Ledger
@@ -57,7 +58,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     try:
         ledger.check_digest_agreement()
         deferred_check = False
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
+    except REDIS_DOWN as exc:
         # Start anyway (answering 503 until the ledger is there) rather than fail the worker's boot,
         # which would stop gunicorn: the check runs before each request until it has passed once.
         log.warning("ledger redis unavailable at start (%s); the API answers 503 until it is back",
@@ -253,8 +254,6 @@ def _register_errors(app: Flask) -> None:
                 resp.headers[name] = value
         return resp
 
-    @app.errorhandler(redis.ConnectionError)  # down, restarting, or loading its AOF (BusyLoadingError)
-    @app.errorhandler(redis.TimeoutError)
     def _redis_down(exc: Exception):
         """503 problem with Retry-After; redis-py reconnects on a later request by itself (and the
         ledger's scripts reload themselves: EVALSHA falls back to SCRIPT LOAD after a restart)."""
@@ -264,6 +263,9 @@ def _register_errors(app: Flask) -> None:
             "the ledger's Redis cannot be reached right now (down, restarting or loading its data); "
             "retry later",
             retry_after=LEDGER_RETRY_AFTER))
+
+    for down in REDIS_DOWN:  # down, restarting, loading its AOF (BusyLoadingError), a cluster failing over
+        app.register_error_handler(down, _redis_down)
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):

@@ -12,6 +12,7 @@ from flask import Blueprint, g, jsonify, request
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.api.common import Services, app_service, idempotent, json_body, query_int, request_services
+from gateway.api.spool import REDIS_DOWN
 from gateway.errors import InvalidRequest
 from gateway.ledger import archive
 from gateway.ledger.joblist import parse_query
@@ -113,6 +114,8 @@ def _read_stream(services, job_id: str, kind: str, stage_names: list[str] | None
     start = "-" if after == "-" else f"({after}"
     try:
         entries = archive.entries(services.redis, services.ledger.keys.job(job_id), kind, start, "+", limit)
+    except REDIS_DOWN:
+        raise  # a cluster's CLUSTERDOWN is a ResponseError too: a 503, not the caller's fault
     except redis.ResponseError as exc:  # a malformed stream id from the caller
         raise InvalidRequest("after must be a log entry id such as 1700000000000-0") from exc
     return [{"id": i, **_when(i), **typed_entry(fields, stage_names)} for i, fields in entries]

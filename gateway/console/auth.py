@@ -30,6 +30,7 @@ from werkzeug.exceptions import HTTPException
 from gateway.api.common import Services, app_service, request_services
 from gateway.console.sessions import COOKIE, COOKIE_PATH, SESSION_TTL, Session, SessionStore
 from gateway.errors import BatchgateError, RetryableError
+from gateway.ledger.embedded import REDIS_DOWN
 from gateway.security import tenant_for_token
 
 log = logging.getLogger(__name__)
@@ -216,8 +217,6 @@ def _http(exc: HTTPException) -> Response:
     return error_page(exc.code or 500, exc.name, exc.description or exc.name)
 
 
-@bp.errorhandler(redis.ConnectionError)
-@bp.errorhandler(redis.TimeoutError)
 def _redis_down(exc: Exception) -> Response:
     log.warning("ledger redis unavailable on console %s %s: %s", request.method, request.path,
                 type(exc).__name__)
@@ -226,6 +225,10 @@ def _redis_down(exc: Exception) -> Response:
                       "data). Nothing was changed; reload the page in a few seconds.")
     resp.headers["Retry-After"] = str(int(RETRY_AFTER.total_seconds()))
     return resp
+
+
+for _down in REDIS_DOWN:  # down, restarting, loading its AOF, a cluster failing over
+    bp.register_error_handler(_down, _redis_down)
 
 
 @bp.errorhandler(Exception)

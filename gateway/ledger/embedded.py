@@ -34,8 +34,13 @@ from gateway.settings import Settings
 log = logging.getLogger(__name__)
 
 #: What "the ledger's Redis is unavailable" looks like to redis-py (down, restarting, or loading its AOF:
-#: BusyLoadingError is a ConnectionError): the processes wait for it rather than fail.
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+#: BusyLoadingError is a ConnectionError): the processes wait for it rather than fail. A cluster adds its
+#: failover states: a node that answers CLUSTERDOWN (ClusterError covers ClusterDownError and
+#: MasterDownError, and the client's own "TTL exhausted" after redirects), TRYAGAIN while a slot migrates,
+#: a MOVED or ASK that reached us, a slot no node covers yet, and no node answering at all (see
+#: ClusterUnreachable, a ConnectionError). None of them ran the command: waiting and asking again is safe.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError,
+              redis.exceptions.TryAgainError, redis.exceptions.SlotNotCoveredError, redis.exceptions.AskError)
 
 STATE_FILE = "redis.json"
 LOCK_FILE = "up.lock"
@@ -137,8 +142,35 @@ def client_for(url: str, settings: Settings | None = None, *,
         from redis.cluster import RedisCluster
 
         first, others = startup_nodes(url)
-        return RedisCluster(url=first, startup_nodes=others, **options)
+        client = RedisCluster(url=first, startup_nodes=others, **options)
+        _unreachable_is_down(client.nodes_manager)
+        return client
     return redis.Redis.from_url(url, **options)
+
+
+class ClusterUnreachable(redis.ConnectionError):
+    """No node of the cluster answers, or its slots are not all served yet: an outage like a plain
+    Redis that is down (a REDIS_DOWN error), which every process waits out."""
+
+
+def _unreachable_is_down(nodes_manager) -> None:
+    """A cluster client that lost every node asks its startup nodes for the layout again before each
+    command, and redis-py says none answering with a bare RedisClusterException (its type for misuse
+    too, such as keys in two slots). Said as ClusterUnreachable instead, so the API answers 503 and the
+    supervisor and workers wait, as they do when a plain Redis is down."""
+    from redis.exceptions import RedisClusterException
+
+    initialize = nodes_manager.initialize
+
+    def initialize_or_down(*args, **kwargs):
+        try:
+            return initialize(*args, **kwargs)
+        except RedisClusterException as exc:
+            if any(m in str(exc) for m in _CLUSTER_NOT_UP):
+                raise ClusterUnreachable(str(exc)) from exc
+            raise
+
+    nodes_manager.initialize = initialize_or_down
 
 
 def startup_nodes(url: str) -> tuple[str, list]:

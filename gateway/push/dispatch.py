@@ -32,7 +32,6 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
-import redis
 import requests
 from rq import Queue
 from rq.serializers import JSONSerializer
@@ -54,7 +53,7 @@ from connectors.base import (
 from gateway import metrics, tracing
 from gateway.errors import BatchgateError, JobCancelled, NotFound, RunTooLong, StaleLease
 from gateway.ledger import bisect
-from gateway.ledger.embedded import client_for, queue_client_for
+from gateway.ledger.embedded import REDIS_DOWN, client_for, queue_client_for
 from gateway.ledger.flows import Stage
 from gateway.ledger.jobspec import JobSpec
 from gateway.ledger.ledger import ABSENT, Lease, Ledger
@@ -367,7 +366,7 @@ class Dispatcher:
         while True:
             try:
                 return fn()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except REDIS_DOWN as exc:
                 if time.monotonic() > give_up:
                     raise
                 log.warning("redis unavailable (%s); retrying in %.1f s", type(exc).__name__, pause)

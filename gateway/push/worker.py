@@ -50,7 +50,6 @@ import threading
 import time
 from typing import Any
 
-import redis
 from rq import SimpleWorker
 from rq.exceptions import StopRequested
 from rq.logutils import setup_loghandlers
@@ -59,6 +58,7 @@ from rq.timeouts import TimerDeathPenalty
 
 from gateway import logs, tracing
 from gateway.errors import BatchgateError, CorruptRecord, NotFound
+from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.liveness import Liveness
 from gateway.push import dispatch
 from gateway.push.supervisor import recovery_gate
@@ -139,7 +139,7 @@ class PollWorkers:
                 if burst or worker._stop_requested:
                     return
                 pause = 0.5
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except REDIS_DOWN as exc:
                 log.warning("poll worker: redis unavailable (%s); reconnecting in %.1f s",
                             type(exc).__name__, pause)
             except BaseException:  # noqa: BLE001 - a thread's death is logged, then it starts again
@@ -283,7 +283,7 @@ class PushWorker:
                 if rescan:
                     next_rescan = time.monotonic() + RESCAN_S
                 pause = 0.5
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except REDIS_DOWN as exc:
                 log.warning("worker: redis unavailable (%s); reconnecting in %.1f s",
                             type(exc).__name__, pause)
                 self.stop.wait(pause)
@@ -328,7 +328,7 @@ class PushWorker:
             try:
                 if self.generation.ready(wait_s=1.0):
                     return True
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except REDIS_DOWN as exc:
                 log.warning("worker: redis unavailable at start (%s); waiting for it", type(exc).__name__)
                 self.stop.wait(pause)
                 pause = min(pause * 2, 5.0)
