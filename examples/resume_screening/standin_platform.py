@@ -191,7 +191,15 @@ class StandInPlatform:
 
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
-                env = json.loads(self.rfile.read(length) or b"{}")
+                body = self.rfile.read(length)
+                if len(body) < length:  # the caller died mid-send (a SIGKILLed worker): no request
+                    self.close_connection = True
+                    return
+                try:
+                    env = json.loads(body or b"{}")
+                except ValueError:
+                    self._send(400, {"message": "the body is not JSON"})
+                    return
                 with platform.lock:
                     platform.calls[self.path] += 1
                 if self.path == "/score":
