@@ -43,6 +43,8 @@ BATCHES_COMMITTED = Counter("batchgate_batches_committed", "Stage commits (a bat
                             ["stage"])
 BATCHES_FAILED = Counter("batchgate_batches_failed", "Batches failed for good, by stage and error class",
                          ["stage", "error_class"])
+ITEMS_QUARANTINED = Counter("batchgate_items_quarantined", "Items a bisecting stage set aside (poison "
+                            "items: the rest of their batch went on), by stage", ["stage"])
 BATCHES_RETRIED = Counter("batchgate_batches_retried", "Failed attempts that will be retried",
                           ["stage", "error_class"])
 LEASE_EXPIRIES = Counter("batchgate_lease_expiries", "Leases that ran out (a worker or platform went quiet)",

@@ -243,3 +243,36 @@ def test_a_piece_answered_twice_commits_once(ledger, make_job):
     with pytest.raises(StaleLease):  # a late fail of the same piece changes nothing either
         ledger.fail(job_id, 0, piece.lease_token, "late", retryable=False)
     assert json.loads(ledger.batch_record(job_id, 0)["bis"])["p"] == [[2, 3]]
+
+
+def _quarantine_events(ledger, job_id):
+    return [(f["type"], json.loads(f["data"]) if "data" in f else f)
+            for _, f in ledger.r.xrange(ledger.keys.job(job_id).events)]
+
+
+def test_each_quarantine_is_an_event_and_counted_by_stage(ledger, make_job):
+    """A subscriber hears of every item set aside (items.quarantined: the batch, its stage and the items'
+    indices in it, with the platform's message), and /metrics counts them by stage, once each (also
+    when every script call is made twice: tests/test_repeat_calls.py runs this module so)."""
+    from gateway import metrics
+
+    counter = metrics.ITEMS_QUARANTINED.labels("score")
+    before = counter._value.get()
+    job_id = make_job(items=40, max_items=10, **bisect_flow())
+    run(ledger, job_id, POISON)
+    events = _quarantine_events(ledger, job_id)
+    quarantined = [data for kind, data in events if kind == "items.quarantined"]
+    assert [(d["seq"], d["stage"], d["items"], d["error"], d["job_status"]) for d in quarantined] == [
+        (0, 0, [7], "item 7 is malformed", "running"), (1, 0, [3], "item 13 is malformed", "running")]
+    assert [kind for kind, _ in events][-1] == "job.succeeded"
+    assert counter._value.get() - before == 2
+
+
+def test_a_quarantine_that_breaks_the_budget_is_heard_before_the_job_fails(ledger, make_job):
+    job_id = make_job(items=20, max_items=10, stage_defs=[{"name": "score", "on_fatal": "bisect"}],
+                      tolerated_failure_percentage=5)
+    run(ledger, job_id, {1, 2})
+    kinds = [(kind, data.get("items"), data.get("job_status"))
+             for kind, data in _quarantine_events(ledger, job_id)]
+    assert kinds == [("items.quarantined", [1], "running"), ("items.quarantined", [2], "failed"),
+                     ("job.failed", None, None)], kinds

@@ -161,9 +161,11 @@ def test_every_ledger_script_run_on_a_job_touches_one_slot(cluster_client, clust
         "open_approval": [k.job, k.batch(0), k.approval(0, 1, 1), k.approvals, k.approvals_due, k.leases,
                           k.ready(1), k.log, k.events],
         "selfcheck": [],
-        "qretry": [k.job, k.batch(0), k.quarantine, k.log, k.audit, k.ready(0), k.ready(1), k.events],
+        "qretry": [k.job, k.batch(0), k.quarantine, k.log, k.audit, k.ready(0), k.ready(1), k.sink,
+                   k.sink_late, k.events],
         # result sinks (push/sinks.py; run on the cluster by tests/test_sinks.py)
         "compact": [k.job, k.sink, k.batch(0), k.batch(1), k.items(0), k.items(1)],
+        "amend": [k.job, k.sink, k.sink_late, k.batch(0), k.items(0)],
         "rest": [k.job, k.log, k.audit, k.events, k.sink],
         "archive": [k.job, k.spec, k.log, k.audit, k.events, k.past],
     }

@@ -88,8 +88,38 @@ def test_s3_sink_gets_every_batch_once_in_objects_per_chunk_and_records_compact(
     assert not any(ledger.r.exists(k.batch(s)) for s in range(10))  # compacted: the bucket holds them now
     view = jobs.view("acme", job_id)
     assert view["sink"] | {} == {"type": "s3", "delivered_below_seq": 10, "batches_delivered": 10,
-                                 "items_delivered": 30, "behind": 0, "error": None, "error_ms": None}
+                                 "items_delivered": 30, "behind": 0, "amendments_owed": 0,
+                                 "amendments_delivered": 0, "error": None, "error_ms": None}
     assert ledger.r.sismember(ledger.keys.sink_jobs, job_id) == 0
+
+
+def test_an_amendment_is_an_object_of_its_own_written_again_not_twice(ledger, jobs, registry, s3, settings):
+    """A quarantined item retried after its batch reached the bucket: its outputs arrive as the object
+    ``<seq>.r<retry>.jsonl``; a delivery that dies after the PUT (before amend.lua) writes the same
+    object again, so the bucket still holds one amendment."""
+    from tests.test_bisect import run
+    from tests.test_sinks import _bisected_job
+
+    _, client, _ = s3
+    job_id = _bisected_job(jobs, registry, {"type": "s3", "bucket": "results", "prefix": "acme/"})
+    run(ledger, job_id, {5})
+    deliverer = SinkDeliverer(ledger)
+    assert deliverer.run_once() == 3
+    ledger.retry_quarantined(job_id, None, "tenant:acme")
+    run(ledger, job_id, set())
+    dumped = settings.model_dump(mode="json") | {"redis_url": settings.redis_url.get_secret_value()}
+    script = KILLED_AFTER.format(root=str(ROOT), settings=json.dumps(dumped), method="_put", kill_on=1)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert jobs.view("acme", job_id)["sink"]["amendments_owed"] == 1  # put, not recorded
+    ledger.r.delete(ledger.keys.job(job_id).sink_claim)  # (the dead claim expires in CLAIM_MS)
+    assert deliverer.run_once() == 1
+    found = objects(client, prefix=f"acme/{job_id}/")
+    assert sorted(found) == [f"acme/{job_id}/000000000000.jsonl", f"acme/{job_id}/000000000001.r1.jsonl"]
+    [amendment] = found[f"acme/{job_id}/000000000001.r1.jsonl"]
+    assert amendment["amends"] == f"{job_id}.1" and amendment["item_indices"] == [1]
+    assert amendment["outputs"]["store"]["parts"] == [{"items": [1], "output": [{"item": 5}]}]
+    assert jobs.view("acme", job_id)["sink"]["amendments_delivered"] == 1
 
 
 def test_a_tenant_writes_only_the_buckets_and_prefixes_it_is_granted(jobs, registry, ledger, s3):
@@ -179,7 +209,7 @@ def test_sigkill_after_a_put_replaces_the_object_and_duplicates_no_batch(ledger,
     job_id = new_job(jobs, registry, {"type": "s3", "bucket": "results", "prefix": "acme/"})
     drain(ledger, job_id, output)
     dumped = settings.model_dump(mode="json") | {"redis_url": settings.redis_url.get_secret_value()}
-    script = KILLED_AFTER.format(root=str(ROOT), settings=json.dumps(dumped), method="_put")
+    script = KILLED_AFTER.format(root=str(ROOT), settings=json.dumps(dumped), method="_put", kill_on=2)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     assert jobs.view("acme", job_id)["sink"]["delivered_below_seq"] == 4  # the first chunk recorded only

@@ -87,7 +87,8 @@ def test_jsonl_sink_gets_every_batch_once_and_records_compact(ledger, jobs, regi
     view = jobs.view("acme", job_id)
     assert view["status"] == "succeeded" and view["items_done"] == 30
     assert view["sink"] | {} == {"type": "jsonl", "delivered_below_seq": 10, "batches_delivered": 10,
-                                 "items_delivered": 30, "behind": 0, "error": None, "error_ms": None}
+                                 "items_delivered": 30, "behind": 0, "amendments_owed": 0,
+                                 "amendments_delivered": 0, "error": None, "error_ms": None}
     # readers serve the summary: the listing (a row per range, pageable by seq), one batch, by status
     [row] = jobs.batches("acme", job_id, None, -1, 100)
     assert (row["first_seq"], row["last_seq"], row["status"], row["items"]) == (0, 9, "completed", 30)
@@ -436,7 +437,7 @@ KILLED_AFTER = textwrap.dedent("""
     def wrapped(self, *args):
         real(self, *args)
         calls[0] += 1
-        if calls[0] == 2:  # the sink took the second chunk; killed before the cursor moved
+        if calls[0] == {kill_on}:  # the sink took this call's records; killed before the cursor moved
             os.kill(os.getpid(), signal.SIGKILL)
 
     setattr(sinks.SinkDeliverer, {method!r}, wrapped)
@@ -451,7 +452,8 @@ def test_sigkill_after_an_http_post_resends_the_chunk_with_the_same_ids(ledger, 
         job_id = new_job(jobs, registry, {"type": "http", "url": url})
         drain(ledger, job_id, output)
         dumped = settings.model_dump(mode="json") | {"redis_url": settings.redis_url.get_secret_value()}
-        script = KILLED_AFTER.format(root=str(ROOT), settings=json.dumps(dumped), method="_post")
+        script = KILLED_AFTER.format(root=str(ROOT), settings=json.dumps(dumped), method="_post",
+                                     kill_on=2)
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
         assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
         assert jobs.view("acme", job_id)["sink"]["delivered_below_seq"] == 4  # the first chunk only
@@ -485,6 +487,8 @@ def test_the_console_job_and_batch_pages_show_compacted_ranges(settings, redis_c
         page = http.get(f"{base}/console/jobs/{job_id}", timeout=10)
         assert page.status_code == 200 and "0&ndash;2" in page.text and "delivered to the sink" in page.text
         assert f"/console/jobs/{job_id}/batches/3" in page.text
+        sink = page.text[page.text.index('id="sink"'):]
+        assert "Result sink" in sink and "3 batches (9 items) delivered, every batch below\n    3" in sink
         one = http.get(f"{base}/console/jobs/{job_id}/batches/1", timeout=10)
         assert one.status_code == 200 and "completed" in one.text
     finally:
@@ -616,6 +620,115 @@ def test_a_batch_with_quarantined_items_is_delivered_but_keeps_its_record_for_th
     run(ledger, job_id, set(), stored=stored)  # the platform is fixed
     assert stored == [5] and ledger.job_fields(job_id)["status"] == "succeeded"
     assert ledger.quarantined(job_id) == []
+    # the sink had batch 1 without item 5: it gets the item's outputs as an amendment, once
+    deliverer = SinkDeliverer(ledger)
+    assert deliverer.run_once() == 1 and deliverer.run_once() == 0
+    got = lines(path)
+    assert [r["id"] for r in got] == [f"{job_id}.{s}" for s in range(3)] + [f"{job_id}.1.r1"]
+    amendment = got[3]
+    assert (amendment["amends"], amendment["retry"], amendment["item_indices"], amendment["items"]) == (
+        f"{job_id}.1", 1, [1], 1)
+    assert amendment["outputs"]["store"]["parts"] == [{"items": [1], "output": [{"item": 5}]}]
+    assert [p["items"] for p in amendment["outputs"]["score"]["parts"]] == [[1]]
+    assert amendment["cursor"] == got[1]["cursor"]
+    sink = jobs.view("acme", job_id)["sink"]
+    assert (sink["amendments_owed"], sink["amendments_delivered"], sink["error"]) == (0, 1, None)
+    assert not ledger.r.exists(k.batch(1)) and k.batch(1) not in ledger._all_keys(job_id)  # delivered
+
+
+def _bisected_job(jobs, registry, sink, poison_at=(5,)):
+    flow = parse_flow({"id": "bis", "version": "1", "batching": {"max_items": 4}, "concurrency": 100,
+                       "tolerated_failure_percentage": 50, "source": {"type": "sequence", "count": 12},
+                       "stages": [{"name": "score", "on_fatal": "bisect"}, {"name": "store"}]})
+    registry.register("acme", flow)
+    return jobs.create("acme", JobRequest(flow_id="bis", sink=sink))["job_id"]
+
+
+def test_a_retry_before_delivery_holds_the_chunk_and_needs_no_amendment(ledger, jobs, registry, tmp_path):
+    """Quarantined items retried before their batch was delivered: delivery stops before the batch while
+    it runs again (no error: it is below the watermark but open), then delivers it whole, the retried
+    item's outputs in its record; no amendment is owed."""
+    from tests.test_bisect import run
+
+    path = tmp_path / "out" / "held.jsonl"
+    job_id = _bisected_job(jobs, registry, {"type": "jsonl", "path": str(path)})
+    run(ledger, job_id, {5})
+    assert ledger.retry_quarantined(job_id, None, "tenant:acme")["retried"] == 1
+    deliverer = SinkDeliverer(ledger)
+    assert deliverer.run_once() == 1  # seq 0; seq 1 runs again
+    assert jobs.view("acme", job_id)["sink"]["error"] is None
+    run(ledger, job_id, set())
+    assert deliverer.run_once() == 2
+    got = lines(path)
+    assert [r["id"] for r in got] == [f"{job_id}.{s}" for s in range(3)]
+    assert sorted(i for p in got[1]["outputs"]["store"]["parts"] for i in p["items"]) == [0, 1, 2, 3]
+    assert jobs.view("acme", job_id)["sink"]["amendments_owed"] == 0
+
+
+def test_an_item_quarantined_again_owes_nothing_and_keeps_its_record(ledger, jobs, registry, tmp_path):
+    from tests.test_bisect import run
+
+    path = tmp_path / "out" / "again.jsonl"
+    job_id = _bisected_job(jobs, registry, {"type": "jsonl", "path": str(path)})
+    run(ledger, job_id, {5})
+    deliverer = SinkDeliverer(ledger)
+    assert deliverer.run_once() == 3
+    ledger.retry_quarantined(job_id, None, "tenant:acme")
+    assert jobs.view("acme", job_id)["sink"]["amendments_owed"] == 1
+    run(ledger, job_id, {5})  # still poison
+    assert deliverer.run_once() == 0
+    assert len(lines(path)) == 3 and [e["id"] for e in ledger.quarantined(job_id)] == ["1.1"]
+    sink = jobs.view("acme", job_id)["sink"]
+    assert (sink["amendments_owed"], sink["amendments_delivered"]) == (0, 0)
+    ledger.retry_quarantined(job_id, None, "tenant:acme")  # fixed the second time
+    run(ledger, job_id, set())
+    assert deliverer.run_once() == 1
+    assert [r["id"] for r in lines(path)][3:] == [f"{job_id}.1.r2"]
+
+
+def test_sigkill_mid_amendment_then_restart_writes_it_once(ledger, jobs, registry, tmp_path, settings):
+    from tests.test_bisect import run
+
+    path = tmp_path / "out" / "killed.jsonl"
+    job_id = _bisected_job(jobs, registry, {"type": "jsonl", "path": str(path)})
+    run(ledger, job_id, {5})
+    assert SinkDeliverer(ledger).run_once() == 3
+    ledger.retry_quarantined(job_id, None, "tenant:acme")
+    run(ledger, job_id, set())
+    dumped = settings.model_dump(mode="json") | {"redis_url": settings.redis_url.get_secret_value()}
+    script = KILLED_DELIVERY.format(root=str(ROOT), settings=json.dumps(dumped), kill_at=1)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert path.read_text().count("\n") == 3 and not path.read_text().endswith("\n")  # half a line
+    ledger.r.delete(ledger.keys.job(job_id).sink_claim)  # the dead deliverer's (expires in CLAIM_MS)
+    assert jobs.view("acme", job_id)["sink"]["amendments_owed"] == 1
+    assert SinkDeliverer(ledger).run_once() == 1
+    assert [r["id"] for r in lines(path)] == [f"{job_id}.{s}" for s in range(3)] + [f"{job_id}.1.r1"]
+
+
+def test_an_http_sink_gets_the_amendment_again_after_a_refusal_with_the_same_id(ledger, jobs, registry):
+    from tests.test_bisect import run
+
+    refuse = [False]
+    url, received, stop = _http_sink(lambda n, body: 503 if refuse[0] else 200)
+    try:
+        job_id = _bisected_job(jobs, registry, {"type": "http", "url": url})
+        run(ledger, job_id, {5})
+        deliverer = SinkDeliverer(ledger)
+        assert deliverer.run_once() == 3
+        ledger.retry_quarantined(job_id, None, "tenant:acme")
+        run(ledger, job_id, set())
+        refuse[0] = True
+        assert deliverer.run_once() == 0
+        assert "503" in jobs.view("acme", job_id)["sink"]["error"]
+        refuse[0] = False
+        deliverer._retry_at.clear()
+        assert deliverer.run_once() == 1
+        assert [r["id"] for r in received] == [f"{job_id}.{s}" for s in range(3)] + [f"{job_id}.1.r1"]
+        assert received[3]["outputs"]["store"]["parts"] == [{"items": [1], "output": [{"item": 5}]}]
+        assert jobs.view("acme", job_id)["sink"]["amendments_owed"] == 0
+    finally:
+        stop()
 
 
 def test_a_folded_job_serves_spec_log_and_audit_and_folds_again_after_a_rewind(api, ledger, jobs, registry,

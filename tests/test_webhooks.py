@@ -329,3 +329,28 @@ def test_a_folded_jobs_outbox_folds_once_every_subscriber_has_had_its_events(hoo
     assert [f["type"] for _, f in archive.past(ledger.r, k)["events"]] == ["job.succeeded"]
     deliverer.tick()
     assert len(receiver.got) == 1
+
+
+def test_a_quarantined_item_reaches_a_subscriber_signed_with_its_batch_and_index(hooks, make_job):
+    """items.quarantined over a real socket: a receiver down for the first two tries still gets one
+    event per quarantine, with the item's batch, stage index and index in the batch, and the tenant."""
+    from tests.test_bisect import run
+
+    ledger, api = hooks
+    receiver = Receiver(fail_first=2)
+    sub = subscribe(api, receiver.url, events=("items.quarantined",))
+    receiver.secret = sub["secret"]
+    job_id = make_job(items=12, max_items=6, stage_defs=[{"name": "score", "on_fatal": "bisect"}],
+                      tolerated_failure_percentage=50)
+    run(ledger, job_id, {4, 8})
+    deliverer = Deliverer(ledger, retry=FAST)
+    run_until(deliverer, lambda: len(set(receiver.ids())) == 2 and len(receiver.got) == 4)
+    time.sleep(0.3)
+    deliverer.tick()
+    receiver.close()
+    assert receiver.bad == 0 and len(receiver.got) == 4  # two failed answers, sent again; nothing else
+    firsts = {msg_id: body for msg_id, body in reversed(receiver.got)}
+    assert sorted((b["type"], b["data"]["seq"], b["data"]["stage"], b["data"]["items"], b["data"]["error"])
+                  for b in firsts.values()) == [("items.quarantined", 0, 0, [4], "item 4 is malformed"),
+                                                ("items.quarantined", 1, 0, [2], "item 8 is malformed")]
+    assert all(b["data"]["job_id"] == job_id and b["data"]["tenant"] == "acme" for b in firsts.values())

@@ -169,7 +169,8 @@ VIEW_SCHEMAS: dict[str, Any] = {
                                retry_at_ms=_nullable(INT))),
         bytes_done=_nullable(INT), bytes_total=_nullable(INT), bytes_read=_nullable(INT), items_planned=INT,
         sink=_obj(["type", "delivered_below_seq"], type=STR, delivered_below_seq=INT, batches_delivered=INT,
-                  items_delivered=INT, behind=INT, error=_nullable(STR), error_ms=_nullable(INT)),
+                  items_delivered=INT, behind=INT, amendments_owed=INT, amendments_delivered=INT,
+                  error=_nullable(STR), error_ms=_nullable(INT)),
         created_ms=INT, updated_ms=INT, finished_ms=_nullable(INT),
         cost={**_ref("JobCost"), "description": "the cost ledger (docs/design.md \"Cost ledger\")"}),
     "JobCost": _obj(

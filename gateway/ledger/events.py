@@ -32,10 +32,11 @@ from gateway.ledger.multi import multi
 #: (complete, decide, open_approval) with {approval_id, seq, stage, stage_index, kind, deadline_ms,
 #: on_timeout, approvers, prompt}, to which the deliverer adds ``deadline`` and signed ``links``
 #: [{approver, url}]; ``approval.decided`` (decide) with {approval_id, seq, stage, stage_index, kind,
-#: decision, status, actor, comment, edited, timed_out, job_status}. Every payload also has job_id and
-#: tenant.
+#: decision, status, actor, comment, edited, timed_out, job_status}; ``items.quarantined`` (fail, when a
+#: bisecting stage sets items aside) with {seq, stage, attempt, items (their indices in the batch), error,
+#: error_type, job_status}. Every payload also has job_id and tenant.
 EVENT_TYPES = ("job.succeeded", "job.failed", "job.cancelled", "job.paused", "batch.failed",
-               "approval.requested", "approval.decided")
+               "items.quarantined", "approval.requested", "approval.decided")
 DELIVERIES_KEPT = 100  # newest delivery attempts kept per subscription
 MAX_SUBSCRIPTIONS = 50  # per tenant
 SECRET_PREFIX = "whsec_"

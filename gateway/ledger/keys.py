@@ -48,6 +48,9 @@ Per job (owner: the ledger scripts; expiry: retention, see ``Ledger.apply_retent
                                        Readers take the spec from it when the hash is absent, and its
                                        entries before the streams' (new ones, after a resume)
 ``<p>:{<job>}:sinkclaim``      string  the one deliverer of the job's sink now (SET NX PX, push/sinks.py)
+``<p>:{<job>}:sinklate``       zset    delivered batches whose quarantined items were retried: the sink
+                                       owes them an amendment once they commit again (qretry.lua adds,
+                                       amend.lua removes; the sink hash's ``late`` counts them)
 =============================  ======  =====================================================
 
 Global (updated outside scripts, idempotently; rebuildable from the job keys):
@@ -225,6 +228,10 @@ class JobKeys:
     @property
     def sink_claim(self) -> str:
         return f"{self._base}:sinkclaim"
+
+    @property
+    def sink_late(self) -> str:
+        return f"{self._base}:sinklate"
 
     def approval(self, seq: int, stage: int, round_: int) -> str:
         return f"{self._base}:approval:{seq}.{stage}.{round_}"

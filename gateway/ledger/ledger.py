@@ -635,8 +635,10 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         counter = {"retry": metrics.BATCHES_RETRIED, "failed": metrics.BATCHES_FAILED}.get(res[0])
         if counter is not None:
             counter.labels(stage.name, metrics.error_class(error_type, retryable)).inc()
-        if len(res) > 3:
+        if len(res) > 3 and res[3]:
             metrics.count_call(stage.name, res[3], usage, paused=res[4] == "1")
+        if res[0] == "quarantined" and len(res) > 5:
+            metrics.ITEMS_QUARANTINED.labels(stage.name).inc(int(res[5]))
         log.info("stage failed job_id=%s seq=%s attempt=%s outcome=%s", job_id, seq, res[1], res[0])
         return {"job_id": job_id, "seq": seq, "attempt": int(res[1]), "outcome": res[0]}
 
@@ -738,10 +740,12 @@ class Ledger(ControlOps, ApprovalOps, QuarantineOps):
         planned = int(self.job_fields(job_id)["next_seq"])
         compacted = int(self.r.hget(k.sink, "seq") or 0)  # records below it are range summaries now
         approvals = self.r.zrange(k.approvals, 0, -1)
-        # below it, only batches with quarantined items kept their records (compact.lua)
-        kept = {int(m.split(".")[0]) for m in self.r.zrange(k.quarantine, 0, -1)} if compacted else set()
+        # below it, only batches with quarantined items kept their records (compact.lua), and those whose
+        # retried items the sink still owes an amendment (amend.lua)
+        kept = ({int(m.split(".")[0]) for m in self.r.zrange(k.quarantine, 0, -1)}
+                | {int(m) for m in self.r.zrange(k.sink_late, 0, -1)}) if compacted else set()
         return [k.job, k.spec, k.src, k.leases, k.done, k.failed, k.log, k.audit, k.events, k.cost,
-                k.approvals, k.approvals_due, k.sink, k.quarantine, k.past,
+                k.approvals, k.approvals_due, k.sink, k.sink_late, k.quarantine, k.past,
                 *[k.approval(*(int(x) for x in a.split(".")[-3:])) for a in approvals],
                 *self._ready_keys(spec),
                 *[key for s in sorted(kept & set(range(compacted))) for key in (k.batch(s), k.items(s))],

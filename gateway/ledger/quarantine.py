@@ -69,7 +69,8 @@ class QuarantineOps:
         retried, busy, status = 0, [], None
         for seq, indices in sorted(wanted.items()):
             res = self.scripts.qretry(
-                keys=[k.job, k.batch(seq), k.quarantine, k.log, k.audit, *self._ready_keys(spec), k.events],
+                keys=[k.job, k.batch(seq), k.quarantine, k.log, k.audit, *self._ready_keys(spec), k.sink,
+                      k.sink_late, k.events],
                 args=["" if indices is None else json.dumps(sorted(set(indices))), self.settings.log_maxlen,
                       actor, spec.stage_count])
             if res[0] == "ok":

@@ -131,11 +131,11 @@ def check_sink(sink: dict[str, Any] | None, settings: Settings | None, tenant: s
         raise InvalidRequest(f"sink: {str(exc).replace('source roots', 'sink roots')}") from exc
 
 
-def s3_object_key(sink: dict[str, Any], job_id: str, first: int) -> str:
-    """The object an s3 sink's delivery from seq ``first`` writes: one per chunk, named by where it starts,
+def s3_object_key(sink: dict[str, Any], job_id: str, name: str) -> str:
+    """The object an s3 sink's delivery writes: one per chunk, named by the seq it starts at (12 digits),
     so a delivery that runs again from the same cursor (the last one died before it was recorded)
-    replaces the object rather than adding another."""
-    return f"{sink.get('prefix', '')}{job_id}/{first:012d}.jsonl"
+    replaces the object rather than adding another; an amendment's is ``<seq>.r<retry>``."""
+    return f"{sink.get('prefix', '')}{job_id}/{name}.jsonl"
 
 
 def check_sink_s3(sink: dict[str, Any] | None, settings: Settings | None, tenant: str) -> None:
@@ -180,17 +180,21 @@ class SinkState:
     items: int
     error: str | None
     error_ms: int | None
+    late: int = 0  # delivered batches whose retried items are owed an amendment (amend.lua)
+    amended: int = 0  # amendments delivered
 
     @classmethod
     def from_fields(cls, fields: dict[str, str]) -> SinkState:
         return cls(seq=int(fields.get("seq") or 0), offset=int(fields.get("off") or 0),
                    batches=int(fields.get("batches") or 0), items=int(fields.get("items") or 0),
-                   error=fields.get("error") or None, error_ms=int(fields.get("error_ms") or 0) or None)
+                   error=fields.get("error") or None, error_ms=int(fields.get("error_ms") or 0) or None,
+                   late=int(fields.get("late") or 0), amended=int(fields.get("amended") or 0))
 
     def view(self, sink: dict[str, Any], wm: int) -> dict[str, Any]:
         """The job view's ``sink`` block (never the URL's query or a path outside what was given)."""
         return {"type": sink["type"], "delivered_below_seq": self.seq, "batches_delivered": self.batches,
-                "items_delivered": self.items, "behind": max(wm - self.seq, 0), "error": self.error,
+                "items_delivered": self.items, "behind": max(wm - self.seq, 0),
+                "amendments_owed": self.late, "amendments_delivered": self.amended, "error": self.error,
                 "error_ms": self.error_ms}
 
 

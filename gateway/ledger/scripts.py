@@ -17,7 +17,7 @@ OPERATIONS = (
     "plan", "lease", "heartbeat", "complete", "fail", "expire", "reopen", "replan", "set_status", "selfcheck",
     "slot", "cancel", "begin", "source_fail", "breaker", "outage", "unwait", "handle", "decide",
     "open_approval", "qretry",
-    "compact", "rest", "archive",  # result sinks (docs/design.md "Result sinks and compaction")
+    "compact", "amend", "rest", "archive",  # result sinks (docs/design.md "Result sinks and compaction")
 )
 #: Two operations run as one script, the second only when the first succeeded (pair_source): a pull
 #: step's commit and the next lease in one round trip (Ledger.complete_and_lease).
@@ -268,6 +268,7 @@ class Scripts:
     open_approval: Script
     qretry: Script
     compact: Script
+    amend: Script
     rest: Script
     archive: Script
     complete_lease: Script

@@ -32,6 +32,7 @@ import contextlib
 import csv
 import fcntl
 import io
+import json
 import logging
 import os
 import socket
@@ -61,6 +62,7 @@ from gateway.net.outbound import session_for
 log = logging.getLogger(__name__)
 
 CLAIM_MS = 30_000  # one deliverer per job; a dead one's claim expires
+AMEND_PAGE = 100  # amendments looked at per job and pass
 BACKOFF_S = (1.0, 60.0)  # a failing sink is tried again after 1 s, doubling up to 60 s
 AT_REST = ("succeeded", "failed", "cancelled")
 
@@ -116,12 +118,12 @@ class SinkDeliverer:
             pipe = self.r.pipeline(transaction=False)
             for job_id in ids:
                 k = self.ledger.keys.job(job_id)
-                pipe.hget(k.sink, "seq")
+                pipe.hmget(k.sink, "seq", "late")
                 pipe.hmget(k.job, "wm", "status")
             got = pipe.execute()
             for i, job_id in enumerate(ids):
-                seq, (wm, status) = int(got[2 * i] or 0), got[2 * i + 1]
-                if wm is None or int(wm) > seq or status in AT_REST:
+                (seq, late), (wm, status) = got[2 * i], got[2 * i + 1]
+                if wm is None or int(wm) > int(seq or 0) or int(late or 0) > 0 or status in AT_REST:
                     yield job_id
 
     def deliver_job(self, job_id: str) -> int:
@@ -146,6 +148,8 @@ class SinkDeliverer:
                     break
                 total += n
                 self.r.pexpire(k.sink_claim, CLAIM_MS)
+            if not self.stop.is_set():
+                total += self._deliver_amendments(spec)
             self._retry_at.pop(job_id, None)
         except (SinkFailed, OSError, requests.RequestException, BatchgateError) as exc:
             self._failed(spec, exc)
@@ -197,14 +201,19 @@ class SinkDeliverer:
     def _settled(self, batches: list[dict[str, str]]) -> int:
         """How many of ``batches`` (in seq order) committed at least ``sink_grace`` ago (Redis's clock):
         until then a repeated answer for the batch still finds its record and gets its first answer
-        (complete.lua), rather than the stale answer a compacted batch gets."""
+        (complete.lua), rather than the stale answer a compacted batch gets. A batch below the watermark
+        that runs again (its quarantined items retried before it was delivered) stops the chunk too: it
+        is delivered once it commits, with their outputs."""
         grace_ms = int(self.settings.sink_grace.total_seconds() * 1000)
-        if not grace_ms:
-            return len(batches)
-        secs, micros = self.r.time()
-        before = secs * 1000 + micros // 1000 - grace_ms
+        before = None
+        if grace_ms:
+            secs, micros = self.r.time()
+            before = secs * 1000 + micros // 1000 - grace_ms
         for i, fields in enumerate(batches):
-            if fields.get("status") == "completed" and int(fields.get("completed_ms") or 0) > before:
+            status = fields.get("status")
+            if status not in ("completed", "superseded"):
+                return i
+            if before is not None and status == "completed" and int(fields.get("completed_ms") or 0) > before:
                 return i
         return len(batches)
 
@@ -224,6 +233,69 @@ class SinkDeliverer:
                         "outputs": {n: loads_or_none(fields.get(f"out:{i}")) for i, n in enumerate(names)}})
         return out
 
+    # -- amendments: retried quarantined items of delivered batches ------------------------------
+
+    def _deliver_amendments(self, spec: JobSpec) -> int:
+        """Deliver the amendments the sink owes (qretry.lua files them in ``sinklate``): for each batch
+        that committed again, the new outputs of the items retried since it was delivered, as one more
+        record (``<job_id>.<seq>.r<retry>``, ``amends`` naming the first). Written under the file's
+        lock and recorded by amend.lua with the same compare-and-set on the offset as a chunk, so a
+        file holds each once; an object is named by it; an HTTP receiver deduplicates by its id.
+        Returns the amendments delivered."""
+        k = self.ledger.keys.job(spec.job_id)
+        delivered = 0
+        for seq in (int(s) for s in self.r.zrange(k.sink_late, 0, AMEND_PAGE - 1)):
+            if self.stop.is_set():
+                break
+            with self._exclusive(spec) as fd:
+                state = SinkState.from_fields(self.r.hgetall(k.sink))
+                fields = self.r.hgetall(k.batch(seq))
+                status = fields.get("status")
+                if status not in (None, "completed", "superseded") or (
+                        status == "completed" and not self._settled([fields])):
+                    continue  # running again, or committed too recently: next pass
+                record = self._amendment(spec, seq, fields) if status == "completed" else None
+                offset = (self._write(spec, fd, state, [record], name=f"{seq:012d}.r{record['retry']}")
+                          if record else state.offset)
+                res = self.ledger.scripts.amend(
+                    keys=[k.job, k.sink, k.sink_late, k.batch(seq), k.items(seq)],
+                    args=[seq, state.offset, offset, fields.get("qr") or "0", int(time.time() * 1000),
+                          record["items"] if record else 0])
+            if res[0] == "ok" and record:
+                delivered += 1
+                log.info("sink amended job_id=%s seq=%s retry=%s items=%s sink=%s", spec.job_id, seq,
+                         record["retry"], record["items"], spec.sink["type"] if spec.sink else None)
+            elif res[0] in ("raced", "corrupt"):
+                raise SinkFailed(f"recording the amendment of batch {seq} answered {res}")
+        return delivered
+
+    def _amendment(self, spec: JobSpec, seq: int, fields: dict[str, str]) -> dict[str, Any] | None:
+        """The amendment record of a delivered batch that committed again: the retried items that passed
+        now and, per stage from the one they ran again from, the parts holding only retried items (a
+        bisected stage's output is ``{"parts": [{"items", "output"}]}``); None when every retried item
+        was quarantined again (nothing new to deliver)."""
+        retried = set(_indices(fields.get("qri")))
+        passed = sorted(retried - set(_indices(fields.get("bq"))))
+        if not passed:
+            return None
+        first = int(fields.get("qrs") or 0)
+        outputs: dict[str, Any] = {}
+        for i, stage in enumerate(spec.flow.stages):
+            out = loads_or_none(fields.get(f"out:{i}")) if i >= first else None
+            if isinstance(out, dict) and isinstance(out.get("parts"), list):
+                parts = [p for p in out["parts"] if set(p.get("items") or []) <= retried]
+                out = {"parts": parts} if parts else None
+            elif i >= first and out is not None:
+                out = None  # not a part of this retry: the original record has it
+            outputs[stage.name] = out
+        retry = int(fields.get("qr") or 0)
+        return {"id": f"{spec.job_id}.{seq}.r{retry}", "job_id": spec.job_id, "seq": seq,
+                "amends": f"{spec.job_id}.{seq}", "retry": retry,
+                "generation": int(fields.get("gen") or 0),
+                "cursor": loads_or_none(fields.get("start_cursor")),
+                "end_cursor": loads_or_none(fields.get("end_cursor")),
+                "items": len(passed), "item_indices": passed, "outputs": outputs}
+
     # -- writing -----------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -242,8 +314,10 @@ class SinkDeliverer:
         finally:
             os.close(fd)  # releases the lock
 
-    def _write(self, spec: JobSpec, fd: int | None, state: SinkState, records: list[dict[str, Any]]) -> int:
-        """Deliver ``records``; returns the sink file's offset after them (0 for other sinks)."""
+    def _write(self, spec: JobSpec, fd: int | None, state: SinkState, records: list[dict[str, Any]],
+               name: str | None = None) -> int:
+        """Deliver ``records``; returns the sink file's offset after them (0 for other sinks). ``name``:
+        the S3 object's name under the job's folder (default: the chunk's first seq)."""
         assert spec.sink is not None
         kind = spec.sink["type"]
         if kind == "discard":
@@ -252,7 +326,7 @@ class SinkDeliverer:
             self._post(spec, records)
             return 0
         if kind == "s3":
-            self._put(spec, state.seq, records)
+            self._put(spec, name or f"{state.seq:012d}", records)
             return 0
         assert fd is not None
         size = os.fstat(fd).st_size
@@ -274,21 +348,21 @@ class SinkDeliverer:
             return
         timeout = self.settings.sink_timeout.total_seconds()
         first, last = records[0]["seq"], records[-1]["seq"]
+        delivery = records[0]["id"] if "amends" in records[0] else f"{spec.job_id}.{first}-{last}"
         resp = self.session.post(spec.sink["url"], data=dumps({"job_id": spec.job_id, "records": records}),
-                                 headers={"Content-Type": "application/json",
-                                          "Batchgate-Delivery": f"{spec.job_id}.{first}-{last}"},
+                                 headers={"Content-Type": "application/json", "Batchgate-Delivery": delivery},
                                  timeout=(timeout, timeout), allow_redirects=False)
         if not 200 <= resp.status_code < 300:
             raise SinkFailed(f"the http sink answered {resp.status_code}")
 
-    def _put(self, spec: JobSpec, first: int, records: list[dict[str, Any]]) -> None:
-        """Write the chunk from seq ``first`` as its object (or delete that object when the chunk has no
-        completed batch: what a dead earlier delivery may have put there is not delivered)."""
+    def _put(self, spec: JobSpec, name: str, records: list[dict[str, Any]]) -> None:
+        """Write the chunk (or amendment) as its object ``name`` (or delete that object when the chunk
+        has no completed batch: what a dead earlier delivery may have put there is not delivered)."""
         assert spec.sink is not None
         check_sink_s3(spec.sink, self.settings, spec.tenant)  # grants may have narrowed since
         from botocore.exceptions import BotoCoreError, ClientError
 
-        key = s3_object_key(spec.sink, spec.job_id, first)
+        key = s3_object_key(spec.sink, spec.job_id, name)
         try:
             if records:
                 self._s3_client().put_object(Bucket=spec.sink["bucket"], Key=key, Body=_jsonl(records),
@@ -338,6 +412,8 @@ class SinkDeliverer:
         k = self.ledger.keys.job(spec.job_id)
         if status == "failed" and self.r.zcard(k.leases):
             return
+        if self.r.zcard(k.sink_late):  # an amendment still owed (its batch committing too recently)
+            return
         self.r.srem(self.ledger.keys.sink_jobs, spec.job_id)
         if self.r.hget(k.job, "status") not in AT_REST:  # resumed meanwhile: keep following it
             self.r.sadd(self.ledger.keys.sink_jobs, spec.job_id)
@@ -352,6 +428,11 @@ class SinkDeliverer:
         if folded[0] == "raced":
             self.r.sadd(self.ledger.keys.sink_jobs, spec.job_id)
         log.info("sink job at rest job_id=%s folded=%s", spec.job_id, folded[0])
+
+
+def _indices(text: str | None) -> list[int]:
+    """A batch record's list of item indices (bq, qri: JSON lists, '' for none)."""
+    return json.loads(text) if text else []
 
 
 def _jsonl(records: list[dict[str, Any]]) -> bytes:

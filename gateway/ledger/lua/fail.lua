@@ -17,7 +17,9 @@
 -- reported; absent = record no cost: not a platform call)   ARGV[21] the flow's cost budget (JSON; '' =
 -- none)   KEYS[#KEYS-1] cost: the job's cost hash, only when ARGV[20] is given
 -- Returns {'retry'|'failed'|'split'|'quarantined', attempt, job status[, why the call ran, '1' if its
---         cost paused the job]} | {'stale', status, attempt} | {'cancelled'} | {'corrupt'} | {'missing'}
+--         cost paused the job[, items quarantined ('quarantined' only)]]} | {'stale', status, attempt}
+--       | {'cancelled'} | {'corrupt'} | {'missing'}
+-- Events: 'batch.failed' (failed for good), 'items.quarantined' (items of a bisecting batch set aside).
 -- Invariant: only the current lease holder can fail an attempt; a batch out of attempts or with a fatal
 -- error fails for good and the failure budget decides the job.
 -- Bisection: the attempt failed with a non-transient error on an on_fatal: bisect stage. The piece
@@ -112,11 +114,17 @@ local function bisect_failed(k, job, batch, cap, nstages)
     for _, i in ipairs(piece) do redis.call('ZADD', KEYS[6 + S], tonumber(seq), seq .. '.' .. i) end
   end
   save(k.batch, batch, bchg)
+  if outcome == 'quarantined' then  -- before the job's own event it may cause (job.failed)
+    emit('items.quarantined', int(now), {seq = tonumber(seq), stage = tonumber(stage),
+      attempt = tonumber(attempt), items = piece, error = message,
+      error_type = (ARGV[14] or '') ~= '' and ARGV[14] or cjson.null,
+      job_status = jchg['status'] or job['status']})
+  end
   save(k.job, job, jchg)
   log(k.log, ARGV[9], {'event', outcome == 'split' and 'bisected' or 'quarantined', 'seq', seq,
     'stage', stage, 'attempt', attempt, 'items', piece_label(piece), 'error', message,
     'actor', ARGV[12]})
-  return {outcome, attempt, jchg['status'] or job['status']}
+  return {outcome, attempt, jchg['status'] or job['status']}, outcome == 'quarantined' and #piece or nil
 end
 
 use_outbox(KEYS[#KEYS])
@@ -150,7 +158,12 @@ local function counted(reply)
 end
 
 if tonumber(ARGV[15] or '0') > 0 and ARGV[3] == '0' then
-  return counted(bisect_failed(k, job, batch, tonumber(ARGV[15]), tonumber(ARGV[16])))
+  local reply, quarantined = bisect_failed(k, job, batch, tonumber(ARGV[15]), tonumber(ARGV[16]))
+  reply = counted(reply)
+  if quarantined then  -- how many items, for the metric (the reply's 6th entry)
+    reply[4], reply[5], reply[6] = reply[4] or '', reply[5] or '', int(quarantined)
+  end
+  return reply
 end
 local outcome = fail_attempt(k, job, batch, batch['seq'], {now = now_ms(), message = ARGV[2],
   retryable = ARGV[3] == '1', max_attempts = tonumber(ARGV[4]), initial_ms = tonumber(ARGV[5]),

@@ -1,6 +1,6 @@
 -- qretry.lua: run quarantined items of one committed batch again (docs/design.md "Bisection").
 -- KEYS[1] job   KEYS[2] batch:<seq>   KEYS[3] quarantine   KEYS[4] log   KEYS[5] audit
--- KEYS[6..5+S] ready:0..ready:S-1
+-- KEYS[6..5+S] ready:0..ready:S-1   KEYS[#KEYS-2] sink   KEYS[#KEYS-1] sinklate
 -- KEYS[#KEYS] events: the job's outbox, always the last key (lib.lua use_outbox)
 -- ARGV[1] the item indices to retry (JSON list; '' = every quarantined item of the batch)
 -- ARGV[2] log maxlen   ARGV[3] actor   ARGV[4] S (number of stages)
@@ -12,7 +12,10 @@
 -- piece per item and 'only' naming them (later stages run those items only); the job's counters move
 -- as for a committed batch re-opened (n_done - 1, n_open + 1) and n_quar drops by the items retried;
 -- items_done moves when the batch commits again (lib.lua items_done_delta). A job that had ended runs
--- again; the items' quarantine entries go in the same step.
+-- again; the items' quarantine entries go in the same step. A batch its result sink already has (below
+-- the sink's cursor) is filed in sinklate, 'qri' naming the items retried since its last amendment,
+-- 'qrs' the earliest stage they ran again from, and 'qr' counting its retries: once it commits again
+-- the sink gets the items' new outputs as an amendment (push/sinks.py, amend.lua).
 use_outbox(KEYS[#KEYS])
 local job = load(KEYS[1])
 if job == false then return {'corrupt'} end
@@ -59,6 +62,20 @@ end
 for _, i in ipairs(chosen) do
   bchg['qe:' .. i], bchg['qt:' .. i], bchg['qs:' .. i], bchg['qa:' .. i] = '', '', '', ''
 end
+local sink, late = KEYS[#KEYS - 2], KEYS[#KEYS - 1]
+local delivered = tonumber(redis.call('HGET', sink, 'seq') or '0') > tonumber(seq)
+if delivered then
+  local owed, seen = json_list(batch['qri']), {}
+  for _, i in ipairs(owed) do seen[i] = true end
+  for _, i in ipairs(chosen) do
+    if not seen[i] then owed[#owed + 1] = i end
+  end
+  table.sort(owed)
+  bchg['qri'] = encode_list(owed)
+  bchg['qr'] = int(tonumber(batch['qr'] or '0') + 1)
+  local from = tonumber(batch['qrs'] or '') or stage  -- the earliest stage the amendment reports
+  bchg['qrs'] = int(math.min(from, stage))
+end
 local jchg = {n_done = int(tonumber(job['n_done']) - 1), n_open = int(tonumber(job['n_open']) + 1),
   n_quar = int(tonumber(job['n_quar'] or '0') - #chosen), updated_ms = int(now)}
 if not live(job['status']) then
@@ -73,6 +90,9 @@ end
 local members = {}
 for _, i in ipairs(chosen) do members[#members + 1] = seq .. '.' .. i end
 redis.call('ZREM', KEYS[3], unpack(members))
+if delivered and redis.call('ZADD', late, tonumber(seq), seq) == 1 then
+  redis.call('HINCRBY', sink, 'late', 1)
+end
 redis.call('ZADD', KEYS[6 + stage], now, seq)
 save(KEYS[2], batch, bchg)
 save(KEYS[1], job, jchg)
