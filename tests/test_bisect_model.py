@@ -21,7 +21,11 @@ Invariants:
   5. a leased piece holds items of its batch only, none quarantined, none already committed at its stage;
   6. a succeeded job has every item committed at the last stage or quarantined (none both), and its
      quarantined items are exactly those ``GET .../quarantine`` lists;
-  7. every record passes its checksum.
+  7. every record passes its checksum;
+  8. with a jsonl result sink (half the examples; actions: deliver, with a torn tail now and then), the
+     file up to the recorded offset holds each item's last-stage output at most once, counting the
+     amendments that bring retried quarantined items (a retry may come before or after its batch was
+     delivered); once the job succeeded and everything is delivered, exactly the items that passed.
 """
 
 from __future__ import annotations
@@ -39,20 +43,29 @@ from gateway.errors import JobCancelled, StaleLease
 from gateway.ledger.flows import parse_flow
 from gateway.ledger.jobs import JobRequest
 from gateway.ledger.records import intact
-from tests.conftest import ready_all_now
+from gateway.push.sinks import SinkDeliverer
+from gateway.settings import Settings
+from tests.conftest import TOKEN, ready_all_now
 
 TENANT = "acme"
 STATS: Counter = Counter()  # what the examples reached (BATCHGATE_MODEL_STATS=1 with pytest -s prints it)
 
 
+@pytest.fixture(name="settings")
+def sink_settings(redis_server, tmp_path):
+    (tmp_path / "out").mkdir()
+    return Settings(redis_url=redis_server.url, data_dir=tmp_path / "data", tokens={TOKEN: "acme"},
+                    sink_roots={"*": [str(tmp_path / "out")]}, sink_chunk=3, sink_grace=0)
+
+
 class BisectMachine(RuleBasedStateMachine):
-    ledger = registry = jobs = None  # set by the test (fixtures)
+    ledger = registry = jobs = out = None  # set by the test (fixtures)
     counter = 0
 
     @initialize(n=st.integers(3, 30), max_items=st.integers(1, 8), stages=st.integers(1, 2),
                 cap=st.sampled_from([2, 6, 64]), poison=st.sets(st.integers(0, 29), max_size=4),
-                ahead=st.sampled_from([1, 16]))
-    def start(self, n, max_items, stages, cap, poison, ahead):
+                ahead=st.sampled_from([1, 16]), sink=st.booleans())
+    def start(self, n, max_items, stages, cap, poison, ahead, sink):
         type(self).counter += 1
         stage_defs = [{"name": "s0", "on_fatal": "bisect", "bisect_max_calls": cap,
                        "retry": {"maximum_attempts": 100, "initial_interval": 0.001}}]
@@ -62,7 +75,11 @@ class BisectMachine(RuleBasedStateMachine):
                            "batching": {"max_items": max_items}, "tolerated_failure_percentage": 100,
                            "source": {"type": "sequence", "count": n}})
         self.registry.register(TENANT, flow)
-        self.job_id = self.jobs.create(TENANT, JobRequest(flow_id=flow.id))["job_id"]
+        self.path = self.out / f"{flow.id}.jsonl" if sink else None
+        self.job_id = self.jobs.create(TENANT, JobRequest(
+            flow_id=flow.id, sink={"type": "jsonl", "path": str(self.path)} if sink else None))["job_id"]
+        self.deliverer = SinkDeliverer(self.ledger)
+        self.seen: dict[int, dict[str, str]] = {}  # seq -> its record when last read (compaction removes it)
         self.k = self.ledger.keys.job(self.job_id)
         self.ledger.plan_ahead = ahead
         self.n, self.stages, self.cap = n, stages, cap
@@ -120,7 +137,8 @@ class BisectMachine(RuleBasedStateMachine):
                 assert out["outcome"] in ("split", "quarantined"), out
                 STATS[out["outcome"]] += 1
             else:
-                out = self.ledger.complete(self.job_id, lease.seq, lease.lease_token, {"n": len(lease.items)})
+                out = self.ledger.complete(self.job_id, lease.seq, lease.lease_token,
+                                           {"items": lease.items})
                 assert not out["duplicate"]
                 for item in lease.items:
                     self.committed[(item, lease.stage_index)] = self.committed.get((item, lease.stage_index), 0) + 1
@@ -165,6 +183,46 @@ class BisectMachine(RuleBasedStateMachine):
             return
         ids = None if data.draw(st.booleans()) else [data.draw(st.sampled_from(listed))["id"]]
         STATS["retried: " + str(self.ledger.retry_quarantined(self.job_id, ids, "tenant:acme")["retried"] > 0)] += 1
+        STATS["retried after delivery"] += self.ledger.r.zcard(self.k.sink_late) > 0
+
+    @rule(data=st.data())
+    def run_to_rest(self, data):
+        """Lease and answer until nothing is ready (so examples reach the end, deliveries and retries
+        after it)."""
+        for _ in range(4 * self.n + 20):
+            self.lease()
+            if not self.held:
+                break
+            self.answer(data)
+        self.deliver(torn=False)  # the supervisor delivers while the job runs
+
+    @rule(data=st.data())
+    def operator_fixes_it(self, data):
+        """What a user does about a run with quarantined items: it runs to rest (delivering), the
+        platform is fixed, the items are retried and the job runs to rest again (amendments for the
+        batches delivered before)."""
+        self.run_to_rest(data)
+        self.fix_platform()
+        self.retry_quarantined(data)
+        self.run_to_rest(data)
+        self.deliver(torn=False)
+
+    @rule(torn=st.booleans())
+    def deliver(self, torn):
+        """The supervisor's sink pass; ``torn``: a delivery killed mid-write left half a line first."""
+        if self.path is None:
+            return
+        if torn:
+            with self.path.open("a") as fh:
+                fh.write('{"id": "half')
+        job = self.ledger.job_fields(self.job_id)
+        for s in range(int(job["base_seq"]), int(job["wm"])):  # what compaction may remove: final now
+            if got := self.ledger.r.hgetall(self.k.batch(s)):
+                self.seen[s] = got
+        self.deliverer.run_once()
+        if err := self.ledger.r.hget(self.k.sink, "error"):
+            STATS["sink error: " + err[:80]] += 1
+        STATS["amendments delivered"] += int(self.ledger.r.hget(self.k.sink, "amended") or 0) > 0
 
     @rule()
     def pause_and_resume(self):
@@ -186,7 +244,13 @@ class BisectMachine(RuleBasedStateMachine):
         members = self.ledger.r.zrange(self.k.quarantine, 0, -1)
         assert int(job.get("n_quar") or 0) == len(members)
         seqs = range(int(job["base_seq"]), int(job["next_seq"]))
-        batches = {s: self.ledger.batch_record(self.job_id, s) for s in seqs}
+        sink = self.ledger.r.hgetall(self.k.sink)
+        delivered_below = int(sink.get("seq") or 0)
+        batches = {}
+        for s in seqs:  # a compacted record (delivered, final) is as it was last read
+            got = self.ledger.r.hgetall(self.k.batch(s))
+            assert got or s < delivered_below, f"batch {s} lost before it was delivered"
+            batches[s] = self.seen[s] = got or self.seen[s]
         assert all(intact(b) for b in batches.values())
         quarantined = set()
         for seq, b in batches.items():
@@ -213,10 +277,34 @@ class BisectMachine(RuleBasedStateMachine):
             assert int(job["items_done"]) == len(done_items)
             listed = {q["item"] for q in self.ledger.quarantined(self.job_id)}
             assert listed == quarantined
+        if self.path is not None:  # 8
+            text = self.path.read_bytes()[:int(sink.get("off") or 0)].decode()
+            assert text == "" or text.endswith("\n")
+            stored = Counter(item for line in text.splitlines()
+                             for item in _last_stage_items(json.loads(line), f"s{last}"))
+            assert all(n == 1 for n in stored.values()), stored  # at most once, amendments included
+            assert set(stored) <= done_items
+            STATS["amended in file"] += any('"amends"' in line for line in text.splitlines())
+            if job["status"] == "succeeded" and delivered_below == wm and not int(sink.get("late") or 0) \
+                    and all(b["status"] == "completed" for b in batches.values()):
+                assert set(stored) == done_items, (sorted(stored), sorted(done_items))
+                STATS["sink complete"] += 1
 
 
-def test_bisection_model(ledger, registry, jobs):
-    machine = type("Machine", (BisectMachine,), {"ledger": ledger, "registry": registry, "jobs": jobs})
+def _last_stage_items(record: dict, stage: str) -> list[int]:
+    """The items whose last-stage output a sink record carries: its parts' (a bisected stage, and an
+    amendment's), else the whole output's."""
+    out = record["outputs"].get(stage)
+    if out is None:
+        return []
+    if "parts" in out:
+        return [item for part in out["parts"] for item in part["output"]["items"]]
+    return out["items"]
+
+
+def test_bisection_model(ledger, registry, jobs, tmp_path):
+    machine = type("Machine", (BisectMachine,), {"ledger": ledger, "registry": registry, "jobs": jobs,
+                                                "out": tmp_path / "out"})
     run_state_machine_as_test(machine, settings=settings(
         max_examples=120, stateful_step_count=40, deadline=None, derandomize=True, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
