@@ -473,7 +473,10 @@ def test_a_slot_with_no_master_is_an_outage_the_api_and_supervisor_wait_out(tmp_
             lease = ledger.lease(job_id)
             ledger.complete(job_id, lease.seq, lease.lease_token, {"seq": lease.seq})
         assert api.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded"
-        time.sleep(0.5)  # the supervisor's next pass: it says it is back
+        deadline = time.monotonic() + 30  # the supervisor's next pass that reaches every shard says so
+        while not any("supervisor: ledger redis reachable again" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+            time.sleep(0.1)
     finally:
         if sup is not None:
             sup.stop.set()
