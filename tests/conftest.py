@@ -151,11 +151,16 @@ def cluster_client(cluster, cluster_settings):
     client.close()
 
 
-#: Test files that take minutes, started first: the suite runs files in parallel worker processes
-#: (scripts/test, pytest-xdist --dist loadfile, files handed out in collection order), and one of these
-#: collected last (test_soak sorts late) left a single worker running it alone for minutes at the end.
-LONGEST_FIRST = ("test_chaos.py", "test_soak.py", "test_ledger_model.py", "test_stale_connections.py",
-                 "test_openapi.py", "test_push_e2e.py", "test_schemathesis.py", "test_deploy.py")
+#: Test files that take minutes, started first, longest first (measured: pytest --durations): the suite
+#: runs files in parallel worker processes (scripts/test, pytest-xdist --dist loadfile
+#: --no-loadscope-reorder, files handed out in collection order), and one of these collected last left a
+#: single worker running it alone for minutes at the end. (xdist's default order, by tests per file, put
+#: test_chaos, one 4-minute test, last of all.)
+LONGEST_FIRST = ("test_chaos.py", "test_soak.py", "test_repeat_calls.py", "test_ledger_model.py",
+                 "test_stale_connections.py", "test_approvals_e2e.py", "test_cluster_crash.py",
+                 "test_push_e2e.py", "test_cluster.py", "test_openapi.py", "test_cost.py",
+                 "test_worker_concurrency.py", "test_callback_spool.py", "test_schemathesis.py",
+                 "test_deploy.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
