@@ -787,3 +787,21 @@ def test_folding_refuses_when_an_entry_came_in_after_the_read(ledger, jobs, regi
     SinkDeliverer(ledger).run_once()
     assert ledger.r.exists(k.past) and not ledger.r.exists(k.audit)
     assert [f["event"] for _, f in archive.entries(ledger.r, k, "audit")] == ["job_created", "note"]
+
+
+def test_a_csv_sink_gets_an_amendment_as_one_more_row_under_the_same_header(ledger, jobs, registry, tmp_path):
+    from tests.test_bisect import run
+
+    path = tmp_path / "out" / "bisected.csv"
+    job_id = _bisected_job(jobs, registry, {"type": "csv", "path": str(path)})
+    run(ledger, job_id, {5})
+    deliverer = SinkDeliverer(ledger)
+    assert deliverer.run_once() == 3
+    ledger.retry_quarantined(job_id, None, "tenant:acme")
+    run(ledger, job_id, set())
+    assert deliverer.run_once() == 1
+    assert path.read_text().count("id,job_id,seq") == 1  # one header
+    rows = list(csv.DictReader(path.open()))
+    assert [r["id"] for r in rows] == [f"{job_id}.{s}" for s in range(3)] + [f"{job_id}.1.r1"]
+    assert (rows[3]["seq"], rows[3]["items"]) == ("1", "1")
+    assert json.loads(rows[3]["store"]) == {"parts": [{"items": [1], "output": [{"item": 5}]}]}
