@@ -805,3 +805,28 @@ def test_a_csv_sink_gets_an_amendment_as_one_more_row_under_the_same_header(ledg
     assert [r["id"] for r in rows] == [f"{job_id}.{s}" for s in range(3)] + [f"{job_id}.1.r1"]
     assert (rows[3]["seq"], rows[3]["items"]) == ("1", "1")
     assert json.loads(rows[3]["store"]) == {"parts": [{"items": [1], "output": [{"item": 5}]}]}
+
+
+def test_a_rewind_before_the_retry_commits_drops_the_amendment_it_owed(ledger, jobs, registry, tmp_path):
+    """A delivered batch re-opened for its quarantined item, then superseded by a resume by cursor
+    before it committed: nothing of it is sent again (the new plan's batches are), the amendment it owed
+    is dropped, and the job retires at rest."""
+    from tests.test_bisect import run
+
+    path = tmp_path / "out" / "rewound.jsonl"
+    job_id = _bisected_job(jobs, registry, {"type": "jsonl", "path": str(path)})
+    run(ledger, job_id, {5})
+    deliverer = SinkDeliverer(ledger)
+    assert deliverer.run_once() == 3
+    ledger.retry_quarantined(job_id, None, "tenant:acme")
+    assert jobs.view("acme", job_id)["sink"]["amendments_owed"] == 1
+    ledger.replan(job_id, {"type": "offset", "offset": 8}, "op", "again from item 8")
+    assert ledger.batch_record(job_id, 1)["status"] == "superseded"
+    run(ledger, job_id, set())
+    deliverer.run_once()
+    got = lines(path)
+    assert [r["seq"] for r in got][:3] == [0, 1, 2] and not any("amends" in r for r in got)
+    assert [r["cursor"]["offset"] for r in got[3:] if r["items"]] == [8]  # the new plan's batch
+    sink = jobs.view("acme", job_id)["sink"]
+    assert (sink["amendments_owed"], sink["amendments_delivered"], sink["error"]) == (0, 0, None)
+    assert ledger.r.sismember(ledger.keys.sink_jobs, job_id) == 0  # at rest: retired

@@ -142,14 +142,14 @@ class SinkDeliverer:
             return 0
         total = 0
         try:
+            # amendments first: a job at rest retires in the chunk loop once it owes none
+            total += self._deliver_amendments(spec)
             while not self.stop.is_set():
                 n = self._deliver_chunk(spec)
                 if n is None:
                     break
                 total += n
                 self.r.pexpire(k.sink_claim, CLAIM_MS)
-            if not self.stop.is_set():
-                total += self._deliver_amendments(spec)
             self._retry_at.pop(job_id, None)
         except (SinkFailed, OSError, requests.RequestException, BatchgateError) as exc:
             self._failed(spec, exc)
