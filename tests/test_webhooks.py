@@ -354,3 +354,34 @@ def test_a_quarantined_item_reaches_a_subscriber_signed_with_its_batch_and_index
                   for b in firsts.values()) == [("items.quarantined", 0, 0, [4], "item 4 is malformed"),
                                                 ("items.quarantined", 1, 0, [2], "item 8 is malformed")]
     assert all(b["data"]["job_id"] == job_id and b["data"]["tenant"] == "acme" for b in firsts.values())
+
+
+def test_cursors_of_a_job_retention_removed_are_dropped_and_a_resumed_jobs_kept(hooks, make_job):
+    """A subscription keeps one cursor per job it heard of; once retention has removed a job, the
+    deliverer drops it (a hash field per job and subscription would grow for ever). A job resumed
+    before its keys expired keeps its cursor, so its old events are not sent again."""
+    from gateway.push.supervisor import Supervisor
+
+    ledger, api = hooks
+    receiver = Receiver()
+    sub = subscribe(api, receiver.url)
+    receiver.secret = sub["secret"]
+    gone, kept = make_job(items=3, retention=1), make_job(items=3, retention=1)
+    drain(ledger, gone)
+    drain(ledger, kept)
+    deliverer = Deliverer(ledger, retry=FAST)
+    run_until(deliverer, lambda: len(receiver.got) == 2)
+    cursor = ledger.keys.sub_cursor(sub["id"])
+    assert set(ledger.r.hkeys(cursor)) == {gone, kept}
+    Supervisor(ledger, name="retention").tick()  # retires both: their keys expire in 1 s
+    assert len(ledger.r.zrange(ledger.keys.events_gone, 0, -1)) == 2
+    ledger.persist_job(kept)  # what a resume does
+    assert deliverer.prune() == 0  # not gone yet (1 s and a minute's slack)
+    time.sleep(1.2)
+    assert not ledger.r.exists(ledger.keys.job(gone).job)
+    assert deliverer.prune(now_ms=int(time.time() * 1000) + 120_000) == 1
+    assert ledger.r.hkeys(cursor) == [kept] and ledger.r.zcard(ledger.keys.events_gone) == 0
+    deliverer.tick()
+    time.sleep(0.2)
+    receiver.close()
+    assert len(receiver.got) == 2  # nothing sent again

@@ -98,6 +98,9 @@ Global (updated outside scripts, idempotently; rebuildable from the job keys):
 ``<p>:sub:<id>:deliveries``           list    newest delivery attempts (JSON), capped
 ``<p>:events:pending``                set     retired job ids whose outbox may still hold undelivered
                                               events (the deliverer also reads every active job)
+``<p>:events:gone``                   zset    retired jobs whose keys retention expires: member
+                                              ``<job id> <tenant>``, score = when they are gone (ms);
+                                              the deliverer then drops their subscription cursors
 ``<p>:target:{<id>}:slots``           zset    calls in flight to one platform target; score = expiry
 ``<p>:target:{<id>}:breaker``         hash    an open circuit breaker: the target is unavailable
                                               (since_ms, until_ms, fails, error, probe_ms); breaker.lua
@@ -386,6 +389,10 @@ class Keys:
     @property
     def events_pending(self) -> str:
         return f"{self.prefix}:events:pending"
+
+    @property
+    def events_gone(self) -> str:
+        return f"{self.prefix}:events:gone"
 
     def alive(self, role: str) -> str:
         """Liveness beats of one role's processes (liveness.py)."""

@@ -47,6 +47,7 @@ SWEEP_PAGE = 1000  # active jobs that sweep checks per pass (one SSCAN and one Z
 SWEEP_VISITS = 20  # active jobs looked at in full per pass, round robin, due or not
 RETRY_MAX_S = 2.0  # longest wait between two tries at start while Redis is down
 REDIS_DOWN_LOG_S = 30.0  # while Redis stays down, one warning this often
+GONE_SLACK_MS = 60_000  # a retired job's subscription cursors are dropped this long after its keys expire
 
 
 def recovery_gate(ledger: Ledger, role: str) -> Generation:
@@ -306,6 +307,9 @@ class Supervisor:
             # a finished job frees its place in the tenant's active-jobs quota now, not at the next
             # prune (which runs only once the set is full, and only one process at a time)
             pipe.srem(self.ledger.keys.quota_active(spec.tenant), job_id)
+            # once retention removed it, the webhook deliverer drops its subscriptions' cursors
+            gone_ms = int(time.time() * 1000 + spec.flow.retention.total_seconds() * 1000) + GONE_SLACK_MS
+            pipe.zadd(self.ledger.keys.events_gone, {f"{job_id} {spec.tenant}": gone_ms})
         pipe.sadd(self.ledger.keys.events_pending, job_id)
         pipe.srem(self.ledger.keys.active, job_id)
         self.due.drop(pipe, job_id)

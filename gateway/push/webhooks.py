@@ -48,6 +48,8 @@ from gateway.net.outbound import session_for
 log = logging.getLogger(__name__)
 
 TIMEOUT_S = 5.0  # one delivery attempt's connect + read timeout
+PRUNE_S = 300.0  # how often the cursors of jobs retention removed are dropped
+PRUNE_PAGE = 500  # gone jobs handled per prune round trip
 ANSWER_KEPT = 200  # characters of a receiver's answer kept in the delivery record
 
 
@@ -95,6 +97,7 @@ class Deliverer:
         self.interval = interval
         self.session = session_for(ledger.settings)
         self.stop = threading.Event()
+        self._pruned_at = 0.0  # monotonic time of the last prune
 
     def run(self) -> None:
         down = False
@@ -128,6 +131,38 @@ class Deliverer:
             if done and job_id not in active:
                 self.r.srem(self.keys.events_pending, job_id)
                 self._fold_outbox(job_id)
+        if time.monotonic() - self._pruned_at >= PRUNE_S:
+            self.prune()
+            self._pruned_at = time.monotonic()
+
+    def prune(self, now_ms: int | None = None) -> int:
+        """Drop the subscription cursors and retry states of jobs retention has removed (the supervisor
+        files each retired job in ``events_gone`` with when its keys expire): they are one hash field per
+        job and subscription, read by nothing once the job is gone. A job resumed meanwhile still has
+        its record: its entry goes, and its next retirement files it again. Returns the jobs pruned."""
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        pruned = 0
+        while due := self.r.zrangebyscore(self.keys.events_gone, "-inf", now_ms, start=0, num=PRUNE_PAGE):
+            pipe = self.r.pipeline(transaction=False)
+            for member in due:
+                pipe.exists(self.keys.job(member.split(" ", 1)[0]).job)
+            alive = pipe.execute()
+            subs: dict[str, list[dict[str, str]]] = {}
+            pipe = self.r.pipeline(transaction=False)
+            for member, exists in zip(due, alive, strict=True):
+                job_id, _, tenant = member.partition(" ")
+                if not exists:
+                    if tenant not in subs:
+                        subs[tenant] = self.store.for_tenant(tenant)
+                    for sub in subs[tenant]:
+                        pipe.hdel(self.keys.sub_cursor(sub["id"]), job_id)
+                        pipe.hdel(self.keys.sub_retry(sub["id"]), job_id)
+                    pruned += 1
+                pipe.zrem(self.keys.events_gone, member)
+            pipe.execute()
+        if pruned:
+            log.info("webhooks: dropped the subscription cursors of %d job(s) retention removed", pruned)
+        return pruned
 
     def _fold_outbox(self, job_id: str) -> None:
         """A job at rest folded while a subscriber had not had its events yet kept its outbox as a
