@@ -209,9 +209,14 @@ def test_jobs_spread_over_the_due_shards_and_a_changed_shard_count_loses_no_dead
     """With BATCHGATE_DUE_SHARDS the entries spread over the shards (crc32 of the job id); a supervisor
     started with another count moves the old shards' entries to their new shards at its first pass and
     expires every lease that fell due meanwhile, once."""
-    made = [_expiring_job(ledger, make_job, lease_s=0.3) for _ in range(12)]
+    # jobs until every shard holds one: ids are random, so a fixed count (12) left a shard of 4 empty
+    # about one run in eight (4 * (3/4)^12); 60 jobs without one would be a broken hash
+    made: list = []
+    while len(made) < 60 and (len(made) < 8
+                              or any(not ledger.r.zcard(key) for key in ledger.keys.due_keys())):
+        made.append(_expiring_job(ledger, make_job, lease_s=0.3))
     used = [key for key in ledger.keys.due_keys() if ledger.r.zcard(key)]
-    assert len(used) == ledger.keys.due_shards  # 12 jobs land in every one of 1 or 4 shards
+    assert len(used) == ledger.keys.due_shards, len(made)  # the jobs spread over every shard
     other = Ledger(ledger.r, settings.model_copy(update={"due_shards": 5 if settings.due_shards == 1 else 1}))
     time.sleep(0.4)  # every lease is past its deadline
     sup = Supervisor(other, name="resharded", sweep_visits=0)
