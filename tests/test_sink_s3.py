@@ -97,16 +97,12 @@ def test_an_amendment_is_an_object_of_its_own_written_again_not_twice(ledger, jo
     """A quarantined item retried after its batch reached the bucket: its outputs arrive as the object
     ``<seq>.r<retry>.jsonl``; a delivery that dies after the PUT (before amend.lua) writes the same
     object again, so the bucket still holds one amendment."""
-    from tests.test_bisect import run
-    from tests.test_sinks import _bisected_job
+    from tests.test_sinks import _delivered_then_retried
 
     _, client, _ = s3
-    job_id = _bisected_job(jobs, registry, {"type": "s3", "bucket": "results", "prefix": "acme/"})
-    run(ledger, job_id, {5})
-    deliverer = SinkDeliverer(ledger)
-    assert deliverer.run_once() == 3
-    ledger.retry_quarantined(job_id, None, "tenant:acme")
-    run(ledger, job_id, set())
+    job_id, deliverer = _delivered_then_retried(ledger, jobs, registry,
+                                                {"type": "s3", "bucket": "results", "prefix": "acme/"},
+                                                poison_after=set())
     dumped = settings.model_dump(mode="json") | {"redis_url": settings.redis_url.get_secret_value()}
     script = KILLED_AFTER.format(root=str(ROOT), settings=json.dumps(dumped), method="_put", kill_on=1)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)

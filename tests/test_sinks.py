@@ -636,12 +636,29 @@ def test_a_batch_with_quarantined_items_is_delivered_but_keeps_its_record_for_th
     assert not ledger.r.exists(k.batch(1)) and k.batch(1) not in ledger._all_keys(job_id)  # delivered
 
 
-def _bisected_job(jobs, registry, sink, poison_at=(5,)):
+def _bisected_job(jobs, registry, sink):
     flow = parse_flow({"id": "bis", "version": "1", "batching": {"max_items": 4}, "concurrency": 100,
                        "tolerated_failure_percentage": 50, "source": {"type": "sequence", "count": 12},
                        "stages": [{"name": "score", "on_fatal": "bisect"}, {"name": "store"}]})
     registry.register("acme", flow)
     return jobs.create("acme", JobRequest(flow_id="bis", sink=sink))["job_id"]
+
+
+def _delivered_then_retried(ledger, jobs, registry, sink, poison_after=None):
+    """A 12-item job whose item 5 (batch 1, index 1) is quarantined; its 3 batches delivered; the item
+    retried and the job run to rest again with ``poison_after`` poison (None: nothing, the platform is
+    fixed; a set: run with it). Returns (job id, the deliverer)."""
+    from tests.test_bisect import run
+
+    job_id = _bisected_job(jobs, registry, sink)
+    run(ledger, job_id, {5})
+    deliverer = SinkDeliverer(ledger)
+    assert deliverer.run_once() == 3
+    assert ledger.retry_quarantined(job_id, None, "tenant:acme")["retried"] == 1
+    assert jobs.view("acme", job_id)["sink"]["amendments_owed"] == 1
+    if poison_after is not None:
+        run(ledger, job_id, poison_after)
+    return job_id, deliverer
 
 
 def test_a_retry_before_delivery_holds_the_chunk_and_needs_no_amendment(ledger, jobs, registry, tmp_path):
@@ -669,13 +686,8 @@ def test_an_item_quarantined_again_owes_nothing_and_keeps_its_record(ledger, job
     from tests.test_bisect import run
 
     path = tmp_path / "out" / "again.jsonl"
-    job_id = _bisected_job(jobs, registry, {"type": "jsonl", "path": str(path)})
-    run(ledger, job_id, {5})
-    deliverer = SinkDeliverer(ledger)
-    assert deliverer.run_once() == 3
-    ledger.retry_quarantined(job_id, None, "tenant:acme")
-    assert jobs.view("acme", job_id)["sink"]["amendments_owed"] == 1
-    run(ledger, job_id, {5})  # still poison
+    job_id, deliverer = _delivered_then_retried(ledger, jobs, registry, {"type": "jsonl", "path": str(path)},
+                                                poison_after={5})  # still poison
     assert deliverer.run_once() == 0
     assert len(lines(path)) == 3 and [e["id"] for e in ledger.quarantined(job_id)] == ["1.1"]
     sink = jobs.view("acme", job_id)["sink"]
@@ -687,14 +699,9 @@ def test_an_item_quarantined_again_owes_nothing_and_keeps_its_record(ledger, job
 
 
 def test_sigkill_mid_amendment_then_restart_writes_it_once(ledger, jobs, registry, tmp_path, settings):
-    from tests.test_bisect import run
-
     path = tmp_path / "out" / "killed.jsonl"
-    job_id = _bisected_job(jobs, registry, {"type": "jsonl", "path": str(path)})
-    run(ledger, job_id, {5})
-    assert SinkDeliverer(ledger).run_once() == 3
-    ledger.retry_quarantined(job_id, None, "tenant:acme")
-    run(ledger, job_id, set())
+    job_id, _ = _delivered_then_retried(ledger, jobs, registry, {"type": "jsonl", "path": str(path)},
+                                        poison_after=set())
     dumped = settings.model_dump(mode="json") | {"redis_url": settings.redis_url.get_secret_value()}
     script = KILLED_DELIVERY.format(root=str(ROOT), settings=json.dumps(dumped), kill_at=1)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
@@ -707,17 +714,11 @@ def test_sigkill_mid_amendment_then_restart_writes_it_once(ledger, jobs, registr
 
 
 def test_an_http_sink_gets_the_amendment_again_after_a_refusal_with_the_same_id(ledger, jobs, registry):
-    from tests.test_bisect import run
-
     refuse = [False]
     url, received, stop = _http_sink(lambda n, body: 503 if refuse[0] else 200)
     try:
-        job_id = _bisected_job(jobs, registry, {"type": "http", "url": url})
-        run(ledger, job_id, {5})
-        deliverer = SinkDeliverer(ledger)
-        assert deliverer.run_once() == 3
-        ledger.retry_quarantined(job_id, None, "tenant:acme")
-        run(ledger, job_id, set())
+        job_id, deliverer = _delivered_then_retried(ledger, jobs, registry, {"type": "http", "url": url},
+                                                    poison_after=set())
         refuse[0] = True
         assert deliverer.run_once() == 0
         assert "503" in jobs.view("acme", job_id)["sink"]["error"]
@@ -790,15 +791,9 @@ def test_folding_refuses_when_an_entry_came_in_after_the_read(ledger, jobs, regi
 
 
 def test_a_csv_sink_gets_an_amendment_as_one_more_row_under_the_same_header(ledger, jobs, registry, tmp_path):
-    from tests.test_bisect import run
-
     path = tmp_path / "out" / "bisected.csv"
-    job_id = _bisected_job(jobs, registry, {"type": "csv", "path": str(path)})
-    run(ledger, job_id, {5})
-    deliverer = SinkDeliverer(ledger)
-    assert deliverer.run_once() == 3
-    ledger.retry_quarantined(job_id, None, "tenant:acme")
-    run(ledger, job_id, set())
+    job_id, deliverer = _delivered_then_retried(ledger, jobs, registry, {"type": "csv", "path": str(path)},
+                                                poison_after=set())
     assert deliverer.run_once() == 1
     assert path.read_text().count("id,job_id,seq") == 1  # one header
     rows = list(csv.DictReader(path.open()))
@@ -814,12 +809,7 @@ def test_a_rewind_before_the_retry_commits_drops_the_amendment_it_owed(ledger, j
     from tests.test_bisect import run
 
     path = tmp_path / "out" / "rewound.jsonl"
-    job_id = _bisected_job(jobs, registry, {"type": "jsonl", "path": str(path)})
-    run(ledger, job_id, {5})
-    deliverer = SinkDeliverer(ledger)
-    assert deliverer.run_once() == 3
-    ledger.retry_quarantined(job_id, None, "tenant:acme")
-    assert jobs.view("acme", job_id)["sink"]["amendments_owed"] == 1
+    job_id, deliverer = _delivered_then_retried(ledger, jobs, registry, {"type": "jsonl", "path": str(path)})
     ledger.replan(job_id, {"type": "offset", "offset": 8}, "op", "again from item 8")
     assert ledger.batch_record(job_id, 1)["status"] == "superseded"
     run(ledger, job_id, set())
