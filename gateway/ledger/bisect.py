@@ -18,7 +18,8 @@ from typing import Any
 NEVER_BISECT = frozenset({"outcome_unknown", "max_run", "waiting_human", "corrupt"})
 
 
-def _list(text: str | None) -> list[int]:
+def indices(text: str | None) -> list[int]:
+    """A batch record's list of item indices (bq, only, qri: JSON lists, '' for none)."""
     return json.loads(text) if text else []
 
 
@@ -32,8 +33,8 @@ def selection(batch: dict[str, str]) -> list[int] | None:
     if not batch.get("only") and not batch.get("bq"):
         return None
     if batch.get("only"):
-        return _list(batch["only"])
-    gone = set(_list(batch.get("bq")))
+        return indices(batch["only"])
+    gone = set(indices(batch.get("bq")))
     return [i for i in range(int(batch["n_items"])) if i not in gone]
 
 
@@ -64,7 +65,7 @@ def batch_fields(batch: dict[str, str]) -> dict[str, Any]:
     pieces, the pieces still to run (the first is the one leased or next) and the extra calls spent."""
     view: dict[str, Any] = {}
     if batch.get("bq"):
-        view["quarantined_items"] = _list(batch["bq"])
+        view["quarantined_items"] = indices(batch["bq"])
     if batch.get("bis"):
         view["bisecting"] = {"pieces": json.loads(batch["bis"])["p"], "extra_calls": int(batch.get("bx") or 0)}
     return view
@@ -74,7 +75,7 @@ def entries(seq: int, batch: dict[str, str], items: list[Any] | None,
             stage_names: list[str]) -> list[dict[str, Any]]:
     """The quarantined items of one batch as the API shows them."""
     out = []
-    for i in _list(batch.get("bq")):
+    for i in indices(batch.get("bq")):
         stage = int(batch.get(f"qs:{i}") or 0)
         out.append({
             "id": f"{seq}.{i}", "seq": seq, "index": i,

@@ -166,7 +166,7 @@ def _unreachable_is_down(nodes_manager) -> None:
         try:
             return initialize(*args, **kwargs)
         except RedisClusterException as exc:
-            if any(m in str(exc) for m in _CLUSTER_NOT_UP):
+            if _cluster_not_up(exc):
                 raise ClusterUnreachable(str(exc)) from exc
             raise
 
@@ -392,6 +392,11 @@ def recorded_url(data_dir: Path) -> str | None:
 #: what a cluster client raises while no startup node answers, or the cluster is not serving every slot
 #: yet (its nodes restarting): worth waiting for, unlike a wrong URL
 _CLUSTER_NOT_UP = ("Redis Cluster cannot be connected", "slots are not covered")
+
+
+def _cluster_not_up(exc: Exception) -> bool:
+    """Whether a RedisClusterException says the cluster is not up (rather than that it was misused)."""
+    return any(m in str(exc) for m in _CLUSTER_NOT_UP)
 CLUSTER_WAIT_MAX_S = 2.0  # longest wait between two tries
 CLUSTER_WAIT_LOG_S = 30.0  # while no node answers, one warning this often
 
@@ -408,7 +413,7 @@ def cluster_client_when_up(url: str, settings: Settings) -> redis.Redis:
         try:
             return client_for(url, settings)
         except (RedisClusterException, redis.ConnectionError, redis.TimeoutError) as exc:
-            if isinstance(exc, RedisClusterException) and not any(m in str(exc) for m in _CLUSTER_NOT_UP):
+            if isinstance(exc, RedisClusterException) and not _cluster_not_up(exc):
                 raise
             if time.monotonic() - logged > CLUSTER_WAIT_LOG_S:
                 log.warning("Redis Cluster unavailable (%s): waiting for a startup node to answer",

@@ -32,7 +32,6 @@ import contextlib
 import csv
 import fcntl
 import io
-import json
 import logging
 import os
 import socket
@@ -44,7 +43,7 @@ from typing import Any
 import requests
 
 from gateway.errors import BatchgateError, NotFound
-from gateway.ledger import archive
+from gateway.ledger import archive, bisect
 from gateway.ledger.embedded import REDIS_DOWN
 from gateway.ledger.jobspec import JobSpec
 from gateway.ledger.ledger import Ledger
@@ -274,8 +273,8 @@ class SinkDeliverer:
         now and, per stage from the one they ran again from, the parts holding only retried items (a
         bisected stage's output is ``{"parts": [{"items", "output"}]}``); None when every retried item
         was quarantined again (nothing new to deliver)."""
-        retried = set(_indices(fields.get("qri")))
-        passed = sorted(retried - set(_indices(fields.get("bq"))))
+        retried = set(bisect.indices(fields.get("qri")))
+        passed = sorted(retried - set(bisect.indices(fields.get("bq"))))
         if not passed:
             return None
         first = int(fields.get("qrs") or 0)
@@ -428,11 +427,6 @@ class SinkDeliverer:
         if folded[0] == "raced":
             self.r.sadd(self.ledger.keys.sink_jobs, spec.job_id)
         log.info("sink job at rest job_id=%s folded=%s", spec.job_id, folded[0])
-
-
-def _indices(text: str | None) -> list[int]:
-    """A batch record's list of item indices (bq, qri: JSON lists, '' for none)."""
-    return json.loads(text) if text else []
 
 
 def _jsonl(records: list[dict[str, Any]]) -> bytes:
