@@ -58,9 +58,13 @@ def _unb64(text: str) -> bytes:
     return data
 
 
-def sign(payload: dict[str, Any], key: bytes, purpose: str, ttl_s: float) -> str:
-    """``<payload>.<mac>``: the payload (with an expiry) in base64url, HMAC-SHA256 bound to ``purpose``."""
-    body = _b64(json.dumps({**payload, "exp": int(time.time() + ttl_s)}, separators=(",", ":")).encode())
+def sign(payload: dict[str, Any], key: bytes, purpose: str, ttl_s: float | None = None, *,
+         expires_s: int | None = None) -> str:
+    """``<payload>.<mac>``: the payload (with an expiry) in base64url, HMAC-SHA256 bound to ``purpose``.
+    The expiry is ``ttl_s`` from now, or ``expires_s`` (epoch seconds) for a token that must come out the
+    same whenever it is made (an approval link, re-made on each delivery of its event)."""
+    exp = expires_s if expires_s is not None else int(time.time() + (ttl_s or 0))
+    body = _b64(json.dumps({**payload, "exp": exp}, separators=(",", ":")).encode())
     mac = hmac.new(key, f"{purpose}.{body}".encode(), hashlib.sha256).digest()
     return f"{body}.{_b64(mac)}"
 

@@ -144,6 +144,23 @@ def test_tampered_and_expired_links(api, ledger):
     assert api.get(f"/v1/approvals/{aid}").json()["status"] == "pending"
 
 
+def test_an_approval_link_is_the_same_whenever_it_is_made(ledger, monkeypatch):
+    """approval.requested carries links made at delivery; a redelivery must carry the same ones (receivers
+    compare and dedupe). The token's expiry is the deadline plus grace, not now plus what is left of it,
+    which rounded to another second between two deliveries for a deadline on a whole second (CI saw a
+    redelivered event whose links differed)."""
+    from gateway import security
+    from gateway.ledger.decisions import links_for
+
+    data = {"approval_id": "apr_1.0.1.1", "deadline_ms": 1_900_000_000_999, "approvers": ["ana", None]}
+    made = []
+    for start, step in ((1_899_999_000.0, 0.0001), (1_899_999_500.0, 0.002)):  # a fast and a slow machine
+        clock = iter(start + n * step for n in range(1000))
+        monkeypatch.setattr(security.time, "time", lambda clock=clock: next(clock))
+        made.append(links_for(ledger, data, ledger.settings))
+    assert made[0] == made[1]
+
+
 def test_pull_complete_waiting_human_opens_a_platform_approval(api):
     flow = {"id": "ask", "version": "1", "stages": [{"name": "work"}, {"name": "store"}]}
     assert api.post("/v1/flows", json=flow).status_code == 201

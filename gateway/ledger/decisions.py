@@ -39,8 +39,10 @@ def token_for(ledger: Ledger, approval_id: str, approver: str | None, deadline_m
     payload: dict[str, Any] = {"a": approval_id}
     if approver is not None:
         payload["p"] = approver
-    ttl = deadline_ms / 1000 - time.time() + GRACE_S
-    return security.sign(payload, ledger.approvals.link_key(), PURPOSE, ttl)
+    # an absolute expiry: the link is re-made on every delivery of its event and must be the same each
+    # time (a relative one, now + (deadline - now), could round to another second between two calls)
+    return security.sign(payload, ledger.approvals.link_key(), PURPOSE,
+                         expires_s=deadline_ms // 1000 + GRACE_S)
 
 
 def read_token(ledger: Ledger, token: str) -> tuple[str, str | None]:
